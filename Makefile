@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` (the tiny Tatar training run with the callback)
+# and `make test`. Both create .venv and install into it first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SHARED ?= ../shared
+
+.PHONY: install demo test bench
+
+$(BIN)/tatblimp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU wheel of torch first, so the project's torch range installs nothing more.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/tatblimp
+
+demo: install
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python examples/train_tiny_tatar.py --corpus $(SHARED)/tatar-corpus/train.txt --data $(SHARED)/tatblimp/test.jsonl
+
+test: install
+	TATBLIMP_SHARED=$(abspath $(SHARED)) $(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/bench_scoring.py --data $(SHARED)/tatblimp/test.jsonl

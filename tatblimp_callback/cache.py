@@ -1,0 +1,181 @@
+"""The pre-tokenized benchmark: every sentence's token ids and byte length as tensors on one device.
+
+Built once (tokenization is the slow part on a CPU), then scored any number of times. Sentence
+``2*i`` is pair ``i``'s grammatical sentence and ``2*i + 1`` its ungrammatical one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .data import Benchmark, load_benchmark
+from .tokenization import encode_sentences, resolve_prefix_token_id, tokenizer_fingerprint, tokenizer_name
+
+CACHE_FORMAT = 1
+
+
+@dataclass
+class SentenceCache:
+    """Token ids of all sentences, flat, with offsets, byte lengths and pair labels.
+
+    ``token_ids[offsets[s]:offsets[s + 1]]`` is sentence ``s``, prefix token first.
+    """
+
+    token_ids: torch.Tensor  # [total tokens] int64
+    offsets: torch.Tensor  # [sentences + 1] int64
+    byte_lengths: torch.Tensor  # [sentences] int64, UTF-8 bytes of the text
+    phenomenon_index: torch.Tensor  # [pairs] int64, into ``phenomena``
+    subtype_index: torch.Tensor  # [pairs] int64, into ``subtypes``; -1 where a pair has none
+    phenomena: list[str]
+    subtypes: list[str]
+    prefix_token_id: int
+    tokenizer_name: str
+    fingerprint: str
+    benchmark_source: str
+    benchmark_md5: str
+    benchmark_release: str
+    truncated: list[int] = field(default_factory=list)  # sentences cut to fit the model's context
+    _host_lengths: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    @property
+    def num_sentences(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_sentences // 2
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens per sentence, prefix included (a host-side list, computed once)."""
+        if self._host_lengths is None:
+            self._host_lengths = (self.offsets[1:] - self.offsets[:-1]).tolist()
+        return self._host_lengths
+
+    def sentence(self, index: int) -> list[int]:
+        return self.token_ids[self.offsets[index] : self.offsets[index + 1]].tolist()
+
+    def to(self, device: torch.device | str) -> "SentenceCache":
+        """This cache with its tensors on ``device``."""
+        return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
+
+    def cut_to(self, max_tokens: int) -> "SentenceCache":
+        """A copy with every sentence longer than ``max_tokens`` cut to its first ``max_tokens`` tokens."""
+        pieces, cut = [], []
+        for s, n in enumerate(self.lengths):
+            start = int(self.offsets[s])
+            pieces.append(self.token_ids[start : start + min(n, max_tokens)])
+            if n > max_tokens:
+                cut.append(s)
+        lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.long, device=self.device)
+        return replace(
+            self,
+            token_ids=torch.cat(pieces),
+            offsets=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]),
+            truncated=sorted(set(self.truncated) | set(cut)),
+            _host_lengths=None,
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cache as safetensors; metadata (names, fingerprint) goes in the header."""
+        from safetensors.torch import save_file
+
+        tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSOR_FIELDS}
+        metadata = {"format": str(CACHE_FORMAT), "fields": json.dumps(self._metadata_fields())}
+        save_file(tensors, os.fspath(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "SentenceCache":
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != str(CACHE_FORMAT):
+                raise ValueError(f"{path}: not a tatblimp cache of format {CACHE_FORMAT}")
+            tensors = {name: handle.get_tensor(name).to(device) for name in _TENSOR_FIELDS}
+        return cls(**json.loads(metadata["fields"]), **tensors)
+
+    def _metadata_fields(self) -> dict[str, Any]:
+        return {
+            "phenomena": self.phenomena,
+            "subtypes": self.subtypes,
+            "prefix_token_id": self.prefix_token_id,
+            "tokenizer_name": self.tokenizer_name,
+            "fingerprint": self.fingerprint,
+            "benchmark_source": self.benchmark_source,
+            "benchmark_md5": self.benchmark_md5,
+            "benchmark_release": self.benchmark_release,
+            "truncated": list(self.truncated),
+        }
+
+
+_TENSOR_FIELDS = ("token_ids", "offsets", "byte_lengths", "phenomenon_index", "subtype_index")
+
+
+def cache_fingerprint(benchmark: Benchmark, tokenizer: Any, prefix_token_id: int) -> str:
+    """Identifies the (data, tokenizer, prefix) a cache was built from."""
+    key = f"{CACHE_FORMAT}:{benchmark.md5}:{tokenizer_fingerprint(tokenizer)}:{prefix_token_id}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_cache(
+    tokenizer: Any,
+    data: Benchmark | str | os.PathLike | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    prefix_token_id: int | None = None,
+    allow_modified: bool = False,
+    cache_path: str | os.PathLike | None = None,
+) -> SentenceCache:
+    """Tokenize every sentence of the benchmark once and put the tensors on ``device``.
+
+    ``data`` is a ``Benchmark`` or anything ``load_benchmark`` accepts. With ``cache_path``, a
+    cache saved there for the same data, tokenizer and prefix token is loaded instead of
+    tokenizing, and a newly built cache is saved there.
+    """
+    benchmark = data if isinstance(data, Benchmark) else load_benchmark(data, allow_modified=allow_modified)
+    prefix = resolve_prefix_token_id(tokenizer, prefix_token_id)
+    fingerprint = cache_fingerprint(benchmark, tokenizer, prefix)
+    if cache_path is not None and os.path.exists(cache_path):
+        try:
+            cached = SentenceCache.load(cache_path, device)
+        except Exception:  # an unreadable or foreign file is rebuilt, never trusted
+            cached = None
+        if cached is not None and cached.fingerprint == fingerprint:
+            return cached
+
+    sentences = benchmark.sentences
+    encoded = encode_sentences(tokenizer, sentences, prefix)
+    lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
+    phenomena = benchmark.phenomena
+    subtypes = sorted({p.subtype for p in benchmark.pairs if p.subtype is not None})
+    cache = SentenceCache(
+        token_ids=torch.tensor([t for ids in encoded for t in ids], dtype=torch.long),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        byte_lengths=torch.tensor([len(s.encode("utf-8")) for s in sentences], dtype=torch.long),
+        phenomenon_index=torch.tensor([phenomena.index(p.phenomenon) for p in benchmark.pairs], dtype=torch.long),
+        subtype_index=torch.tensor(
+            [subtypes.index(p.subtype) if p.subtype is not None else -1 for p in benchmark.pairs], dtype=torch.long
+        ),
+        phenomena=phenomena,
+        subtypes=subtypes,
+        prefix_token_id=prefix,
+        tokenizer_name=tokenizer_name(tokenizer),
+        fingerprint=fingerprint,
+        benchmark_source=benchmark.source,
+        benchmark_md5=benchmark.md5,
+        benchmark_release=benchmark.release,
+    )
+    if cache_path is not None:
+        cache.save(cache_path)
+    return cache.to(device)

@@ -1,0 +1,184 @@
+"""Loading TatBLiMP (and BLiMP-family) minimal-pair files.
+
+A benchmark file is JSON Lines, one pair a line. TatBLiMP uses the fields ``good``, ``bad``,
+``phenomenon`` and an optional ``subtype``; BLiMP and TurBLiMP use ``sentence_good`` /
+``sentence_bad`` with the phenomenon in ``phenomenon``, ``linguistics_term`` or ``UID``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+HUB_REPO_ID = "ilchats/TatBLiMP"
+HUB_FILENAME = "test.jsonl"
+DATA_ENV_VAR = "TATBLIMP_DATA"
+
+OFFICIAL_MD5 = "7659770ffe671579746a445a173a294a"
+OFFICIAL_RELEASE = "TatBLiMP v1.0 (2026-06-19)"
+
+# Pair counts of the official release, by phenomenon.
+OFFICIAL_PHENOMENA = {
+    "anaphor_agreement": 79,
+    "argument_structure_ditransitive": 78,
+    "argument_structure_transitive": 78,
+    "binding": 78,
+    "ellipsis_gapping": 85,
+    "irregular_forms": 80,
+    "island_effects": 80,
+    "nominalization": 70,
+    "npi_licensing": 80,
+    "numeral_noun_number": 85,
+    "passives": 83,
+    "quantifiers": 85,
+    "relative_clauses": 88,
+    "subject_verb_agreement": 77,
+    "suspended_affixation": 47,
+    "word_order": 75,
+}
+
+_SENTENCE_FIELDS = (("good", "bad"), ("sentence_good", "sentence_bad"))
+_PHENOMENON_FIELDS = ("phenomenon", "linguistics_term", "UID")
+
+
+class BenchmarkError(ValueError):
+    """A benchmark file that cannot be used; the message names the file and, where known, the line."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One minimal pair: a grammatical and an ungrammatical sentence."""
+
+    good: str
+    bad: str
+    phenomenon: str
+    subtype: str | None = None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """The pairs of one benchmark file, in file order, with where they came from.
+
+    ``official`` is True only for the exact TatBLiMP v1.0 file (checked by md5); any other file
+    is reported as ``modified`` with its own md5.
+    """
+
+    pairs: tuple[Pair, ...]
+    source: str
+    md5: str
+
+    @property
+    def official(self) -> bool:
+        return self.md5 == OFFICIAL_MD5
+
+    @property
+    def release(self) -> str:
+        return OFFICIAL_RELEASE if self.official else f"modified (md5 {self.md5})"
+
+    @property
+    def phenomena(self) -> list[str]:
+        """Phenomenon names in order of first appearance."""
+        return list(dict.fromkeys(p.phenomenon for p in self.pairs))
+
+    @property
+    def sentences(self) -> list[str]:
+        """All sentences, good then bad for each pair: sentence 2*i is pair i's good one."""
+        return [s for p in self.pairs for s in (p.good, p.bad)]
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: bool = False) -> Benchmark:
+    """Load a minimal-pair benchmark.
+
+    ``source`` is a local JSONL path; when None, the path in the ``TATBLIMP_DATA`` environment
+    variable; when that is unset too, ``test.jsonl`` of the Hub dataset ``ilchats/TatBLiMP``
+    (downloaded once and cached by huggingface_hub).
+
+    A file whose md5 is not the official TatBLiMP v1.0 one raises ``BenchmarkError`` unless
+    ``allow_modified`` is True; it is then reported as modified, with its own md5, in every result.
+    """
+    path = Path(source) if source is not None else _default_path()
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise BenchmarkError(f"{path}: cannot read the benchmark file ({err.strerror or err})") from err
+    md5 = hashlib.md5(raw).hexdigest()
+    if md5 != OFFICIAL_MD5 and not allow_modified:
+        raise BenchmarkError(
+            f"{path}: md5 {md5} is not the official TatBLiMP v1.0 release ({OFFICIAL_MD5}); "
+            "pass allow_modified=True (CLI: --allow-modified) to score it as a modified benchmark"
+        )
+    return Benchmark(pairs=tuple(parse_pairs(raw, str(path))), source=str(path), md5=md5)
+
+
+def parse_pairs(raw: bytes, name: str) -> list[Pair]:
+    """Parse the bytes of a JSONL benchmark file; ``name`` is used in error messages."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise BenchmarkError(f"{name}:{line}: bytes that are not UTF-8 ({err.reason} at byte {err.start})") from None
+    lines = text.rstrip("\r\n").splitlines() if text.strip() else []
+    pairs = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            raise BenchmarkError(f"{name}:{number}: empty line inside the file")
+        pairs.append(_parse_line(line, f"{name}:{number}"))
+    if not pairs:
+        raise BenchmarkError(f"{name}: the file holds no pairs")
+    return pairs
+
+
+def _parse_line(line: str, where: str) -> Pair:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise BenchmarkError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise BenchmarkError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    keys = next(((g, b) for g, b in _SENTENCE_FIELDS if g in record or b in record), _SENTENCE_FIELDS[0])
+    good, bad = (_required_string(record, key, where) for key in keys)
+    if good == bad:
+        raise BenchmarkError(f"{where}: the good and bad sentences are identical")
+    field = next((f for f in _PHENOMENON_FIELDS if f in record), "phenomenon")
+    phenomenon = _required_string(record, field, where)
+    subtype = record.get("subtype")
+    if subtype is not None and not isinstance(subtype, str):
+        raise BenchmarkError(f"{where}: field 'subtype' must be a string or null, got {type(subtype).__name__}")
+    return Pair(good=good, bad=bad, phenomenon=phenomenon, subtype=subtype)
+
+
+def _required_string(record: dict, key: str, where: str) -> str:
+    if key not in record:
+        raise BenchmarkError(f"{where}: missing field '{key}'")
+    value = record[key]
+    if not isinstance(value, str):
+        raise BenchmarkError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise BenchmarkError(f"{where}: field '{key}' is empty")
+    return value
+
+
+def _default_path() -> Path:
+    env = os.environ.get(DATA_ENV_VAR)
+    if env:
+        return Path(env)
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError as err:  # pragma: no cover - huggingface_hub is a dependency
+        raise BenchmarkError("huggingface_hub is needed to download TatBLiMP; pass a local path instead") from err
+    try:
+        return Path(hf_hub_download(HUB_REPO_ID, HUB_FILENAME, repo_type="dataset"))
+    except LocalEntryNotFoundError as err:
+        raise BenchmarkError(
+            f"cannot download {HUB_FILENAME} of the Hub dataset {HUB_REPO_ID} (offline, and not in the cache); "
+            f"pass a local path or set {DATA_ENV_VAR}"
+        ) from err
+    except Exception as err:  # network, auth and HTTP errors all end the same way for the user
+        raise BenchmarkError(f"cannot download {HUB_FILENAME} of the Hub dataset {HUB_REPO_ID}: {err}") from err

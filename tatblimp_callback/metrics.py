@@ -1,0 +1,197 @@
+"""TatBLiMP's metrics, from per-sentence log-probabilities.
+
+- acc: share of pairs with logP(good) > logP(bad), strictly; a tie fails.
+- acc_norm (primary): the same with each logP divided by the sentence's UTF-8 byte length.
+
+Pairs whose log-probs are not finite (NaN or inf from a diverging model) are left out of the
+metrics, counted, and flagged; the metrics over the remaining pairs are still given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .cache import SentenceCache
+
+
+@dataclass
+class GroupResult:
+    """Metrics of one group of pairs (a phenomenon, a subtype, or all)."""
+
+    n: int  # pairs with finite log-probs (the denominator)
+    acc: float
+    acc_norm: float
+    mean_margin: float  # mean of logP(good) - logP(bad), nats
+    ties: int  # pairs with logP(good) == logP(bad)
+    ties_norm: int
+    non_finite: int = 0  # pairs left out because a log-prob was NaN or inf
+
+
+@dataclass
+class PairResult:
+    good_logprob: float
+    bad_logprob: float
+    good_tokens: int  # scored tokens (the prefix token is not scored)
+    bad_tokens: int
+    good_bytes: int
+    bad_bytes: int
+    phenomenon: str
+    subtype: str | None
+
+    @property
+    def passed(self) -> bool:
+        return self.good_logprob > self.bad_logprob
+
+    @property
+    def passed_norm(self) -> bool:
+        return self.good_logprob / self.good_bytes > self.bad_logprob / self.bad_bytes
+
+
+@dataclass
+class Results:
+    """All of one evaluation: overall, per phenomenon and subtype, and per pair (file order)."""
+
+    overall: GroupResult
+    phenomena: dict[str, GroupResult]
+    subtypes: dict[str, GroupResult]
+    pairs: list[PairResult]
+    benchmark_md5: str
+    benchmark_release: str
+    benchmark_source: str
+    tokenizer: str
+    tokens: int  # scored tokens over all sentences
+    bytes: int  # UTF-8 bytes over all sentences
+    truncated_sentences: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # path used, timings, step, ...
+
+    @property
+    def acc(self) -> float:
+        return self.overall.acc
+
+    @property
+    def acc_norm(self) -> float:
+        return self.overall.acc_norm
+
+    @property
+    def non_finite_pairs(self) -> int:
+        return self.overall.non_finite
+
+    @property
+    def bits_per_byte_good(self) -> float:
+        """Bits per UTF-8 byte of the grammatical sentences."""
+        finite = [p for p in self.pairs if math.isfinite(p.good_logprob)]
+        return -sum(p.good_logprob for p in finite) / math.log(2) / max(sum(p.good_bytes for p in finite), 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON written by ``tatblimp score --output``."""
+        return {
+            "acc": self.acc,
+            "acc_norm": self.acc_norm,
+            "n": self.overall.n,
+            "ties": self.overall.ties,
+            "ties_norm": self.overall.ties_norm,
+            "mean_margin": self.overall.mean_margin,
+            "non_finite_pairs": self.overall.non_finite,
+            "truncated_sentences": self.truncated_sentences,
+            "bits_per_byte_good": self.bits_per_byte_good,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "tokens_per_byte": self.tokens / max(self.bytes, 1),
+            "benchmark": {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source},
+            "tokenizer": self.tokenizer,
+            "phenomena": {name: asdict(group) for name, group in self.phenomena.items()},
+            "subtypes": {name: asdict(group) for name, group in self.subtypes.items()},
+            "pairs": [asdict(pair) for pair in self.pairs],
+            **self.extra,
+        }
+
+    def flat_metrics(self, prefix: str = "tatblimp") -> dict[str, float]:
+        """Scalars for a logger: ``{prefix}/acc``, ``{prefix}/acc_norm``, ``{prefix}/{phenomenon}/acc``, ..."""
+        metrics = {f"{prefix}/acc": self.acc, f"{prefix}/acc_norm": self.acc_norm}
+        for name, group in self.phenomena.items():
+            metrics[f"{prefix}/{name}/acc"] = group.acc
+            metrics[f"{prefix}/{name}/acc_norm"] = group.acc_norm
+        if self.overall.non_finite:
+            metrics[f"{prefix}/non_finite_pairs"] = self.overall.non_finite
+        return metrics
+
+    def format_table(self) -> str:
+        """A plain-text table like the benchmark card's: overall, then each phenomenon."""
+        width = max(len(name) for name in [*self.phenomena, "overall"])
+        lines = [f"{self.benchmark_release}  tokenizer: {self.tokenizer}"]
+        lines.append(f"{'phenomenon':<{width}}  {'n':>5}  {'acc':>6}  {'acc_norm':>8}")
+        lines.append("-" * (width + 27))
+        for name, group in self.phenomena.items():
+            lines.append(f"{name:<{width}}  {group.n:>5}  {group.acc:>6.4f}  {group.acc_norm:>8.4f}")
+        lines.append("-" * (width + 27))
+        o = self.overall
+        lines.append(f"{'overall':<{width}}  {o.n:>5}  {o.acc:>6.4f}  {o.acc_norm:>8.4f}")
+        if o.ties or o.ties_norm:
+            lines.append(f"ties (counted as failures): {o.ties} raw, {o.ties_norm} normalised")
+        if o.non_finite:
+            bad = ", ".join(f"{name} {g.non_finite}" for name, g in self.phenomena.items() if g.non_finite)
+            lines.append(f"WARNING: {o.non_finite} pairs had non-finite log-probs and are left out ({bad})")
+        if self.truncated_sentences:
+            lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
+        return "\n".join(lines)
+
+
+def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None = None) -> Results:
+    """Metrics from per-sentence log-probs in cache order (sentence 2*i good, 2*i+1 bad)."""
+    logprobs = np.asarray(logprobs.cpu() if hasattr(logprobs, "cpu") else logprobs, dtype=np.float64)
+    good, bad = logprobs[0::2], logprobs[1::2]
+    byte_lengths = cache.byte_lengths.cpu().numpy()
+    good_bytes, bad_bytes = byte_lengths[0::2], byte_lengths[1::2]
+    tokens = np.asarray(cache.lengths) - 1
+    phenomenon_index = cache.phenomenon_index.cpu().numpy()
+    subtype_index = cache.subtype_index.cpu().numpy()
+
+    def group(mask: np.ndarray) -> GroupResult:
+        return _group_result(good[mask], bad[mask], good_bytes[mask], bad_bytes[mask])
+
+    return Results(
+        overall=group(np.ones(len(good), dtype=bool)),
+        phenomena={name: group(phenomenon_index == i) for i, name in enumerate(cache.phenomena)},
+        subtypes={name: group(subtype_index == i) for i, name in enumerate(cache.subtypes)},
+        pairs=[
+            PairResult(
+                good_logprob=float(good[i]),
+                bad_logprob=float(bad[i]),
+                good_tokens=int(tokens[2 * i]),
+                bad_tokens=int(tokens[2 * i + 1]),
+                good_bytes=int(good_bytes[i]),
+                bad_bytes=int(bad_bytes[i]),
+                phenomenon=cache.phenomena[phenomenon_index[i]],
+                subtype=cache.subtypes[subtype_index[i]] if subtype_index[i] >= 0 else None,
+            )
+            for i in range(len(good))
+        ],
+        benchmark_md5=cache.benchmark_md5,
+        benchmark_release=cache.benchmark_release,
+        benchmark_source=cache.benchmark_source,
+        tokenizer=cache.tokenizer_name,
+        tokens=int(tokens.sum()),
+        bytes=int(byte_lengths.sum()),
+        truncated_sentences=len(cache.truncated),
+        extra=dict(extra or {}),
+    )
+
+
+def _group_result(good, bad, good_bytes, bad_bytes) -> GroupResult:
+    finite = np.isfinite(good) & np.isfinite(bad)
+    good, bad, good_bytes, bad_bytes = good[finite], bad[finite], good_bytes[finite], bad_bytes[finite]
+    n = int(finite.sum())
+    good_norm, bad_norm = good / good_bytes, bad / bad_bytes
+    return GroupResult(
+        n=n,
+        acc=float((good > bad).mean()) if n else math.nan,
+        acc_norm=float((good_norm > bad_norm).mean()) if n else math.nan,
+        mean_margin=float((good - bad).mean()) if n else math.nan,
+        ties=int((good == bad).sum()),
+        ties_norm=int((good_norm == bad_norm).sum()),
+        non_finite=int((~finite).sum()),
+    )

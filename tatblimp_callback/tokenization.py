@@ -1,0 +1,113 @@
+"""Turning sentences into the token ids that are scored.
+
+Each sentence becomes ``[prefix] + ids(sentence)``: the prefix token (the tokenizer's BOS, else
+its EOS, else one the caller names) is there so that the first real token is scored too. Special
+tokens that a tokenizer inserts by itself are stripped first, so there is never a double BOS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class TokenizationError(ValueError):
+    """The tokenizer cannot be used for scoring (no prefix token, an empty encoding, ...)."""
+
+
+class SentencePieceTokenizer:
+    """A raw SentencePiece ``.model`` used as is, so ids are exactly those the model was trained on.
+
+    transformers 5 converts a ``.model`` file to a "fast" tokenizer whose ids can differ from
+    raw sentencepiece; a model trained on raw ids must be scored with raw ids.
+    """
+
+    def __init__(self, model_file: str | os.PathLike):
+        import sentencepiece as spm
+
+        self.model_file = str(model_file)
+        self.processor = spm.SentencePieceProcessor(model_file=self.model_file)
+        self.name_or_path = self.model_file
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return _non_negative(self.processor.bos_id())
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return _non_negative(self.processor.eos_id())
+
+    def __len__(self) -> int:
+        return self.processor.get_piece_size()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.processor.encode(list(texts))
+
+    def fingerprint_bytes(self) -> bytes:
+        return self.processor.serialized_model_proto()
+
+
+def _non_negative(token_id: int) -> int | None:
+    return token_id if token_id >= 0 else None
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
+    """A raw ``SentencePieceTokenizer`` for a ``.model`` file, else ``AutoTokenizer.from_pretrained``."""
+    if str(name_or_path).endswith(".model") and Path(name_or_path).is_file():
+        return SentencePieceTokenizer(name_or_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def resolve_prefix_token_id(tokenizer: Any, prefix_token_id: int | None = None) -> int:
+    """The caller's prefix token if given, else the tokenizer's BOS, else its EOS."""
+    for candidate in (prefix_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise TokenizationError(
+        f"tokenizer {tokenizer_name(tokenizer)} has neither a BOS nor an EOS token; pass prefix_token_id"
+    )
+
+
+def encode_sentences(tokenizer: Any, sentences: Sequence[str], prefix_token_id: int) -> list[list[int]]:
+    """Token ids of each sentence, prefix token first; no other special token."""
+    raw = _encode_without_special_tokens(tokenizer, sentences)
+    special = {tokenizer.bos_token_id, tokenizer.eos_token_id, prefix_token_id} - {None}
+    encoded = []
+    for index, (sentence, ids) in enumerate(zip(sentences, raw)):
+        ids = list(ids)
+        # Some tokenizers add BOS/EOS even when asked not to; the sentence text itself never holds them.
+        if ids and ids[0] in special:
+            ids = ids[1:]
+        if ids and ids[-1] in special:
+            ids = ids[:-1]
+        if not ids:
+            raise TokenizationError(f"sentence {index} encodes to no tokens: {sentence!r}")
+        encoded.append([prefix_token_id, *ids])
+    return encoded
+
+
+def _encode_without_special_tokens(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch(sentences)
+    return tokenizer(list(sentences), add_special_tokens=False)["input_ids"]
+
+
+def tokenizer_name(tokenizer: Any) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash that changes whenever the tokenizer would produce different ids."""
+    digest = hashlib.sha256()
+    if hasattr(tokenizer, "fingerprint_bytes"):
+        digest.update(tokenizer.fingerprint_bytes())
+    elif getattr(tokenizer, "backend_tokenizer", None) is not None:
+        digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    else:
+        digest.update(repr(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(repr((tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,111 @@
+"""Shared fixtures: the real benchmark from ../shared, small tokenizers and tiny random Llamas."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("TATBLIMP_SHARED", REPO.parent / "shared"))
+DATA = SHARED / "tatblimp" / "test.jsonl"
+CORPUS = SHARED / "tatar-corpus" / "train.txt"
+SPM_MODEL = SHARED / "tokenizers" / "kypchak_unigram_48k.model"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    if not DATA.exists():
+        raise pytest.UsageError(f"the benchmark is not at {DATA}; set TATBLIMP_SHARED to the shared/ folder")
+
+
+def write_pairs(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def records() -> list[dict]:
+    return [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory, records) -> Path:
+    """Three pairs of each phenomenon (48 pairs): a modified benchmark, quick to score."""
+    seen: dict[str, int] = {}
+    subset = []
+    for record in records:
+        if seen.get(record["phenomenon"], 0) < 3:
+            seen[record["phenomenon"]] = seen.get(record["phenomenon"], 0) + 1
+            subset.append(record)
+    return write_pairs(tmp_path_factory.mktemp("data") / "small.jsonl", subset)
+
+
+def train_bpe(vocab_size: int = 800, bos: bool = True, lines: int = 4000):
+    """A byte-level BPE tokenizer trained on the shared Tatar corpus, wrapped as a fast HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    text = CORPUS.read_text(encoding="utf-8").splitlines()[:lines]
+    tokenizer.train_from_iterator(text, trainer)
+    kwargs = {"pad_token": "<pad>", "eos_token": "</s>"}
+    if bos:
+        kwargs["bos_token"] = "<s>"
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    return train_bpe()
+
+
+@pytest.fixture(scope="session")
+def eos_only_tokenizer():
+    return train_bpe(bos=False)
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    options = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config = LlamaConfig(**{**options, **overrides})
+    model = LlamaForCausalLM(config)
+    # Random init gives near-uniform predictions; larger weights make log-probs differ clearly between tokens.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.5)
+    return model.eval()
+
+
+def reference_logprobs(model, sentences_ids: list[list[int]]) -> list[float]:
+    """The definition, computed plainly: one sentence at a time, full log-softmax in float64."""
+    values = []
+    with torch.no_grad():
+        for ids in sentences_ids:
+            x = torch.tensor([ids])
+            logits = model(input_ids=x).logits[0, :-1].double()
+            values.append(float(logits.log_softmax(-1).gather(-1, x[0, 1:, None]).sum()))
+    return values

@@ -1,0 +1,140 @@
+"""The scorer equals the definition computed plainly, whatever the batching, layout or order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DATA, reference_logprobs, tiny_llama
+from tatblimp_callback import Evaluator, Scorer, ScorePath, ScoringError, build_cache, evaluate, load_benchmark
+from tatblimp_callback.data import Benchmark
+
+
+@pytest.fixture(scope="module")
+def model(bpe_tokenizer):
+    return tiny_llama(len(bpe_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def cache(bpe_tokenizer):
+    return build_cache(bpe_tokenizer, DATA)
+
+
+@pytest.fixture(scope="module")
+def reference(model, cache):
+    return torch.tensor(reference_logprobs(model, [cache.sentence(s) for s in range(cache.num_sentences)]))
+
+
+def test_full_benchmark_matches_one_at_a_time(model, cache, reference):
+    scorer = Scorer(model, cache)
+    scores = scorer.score()
+    assert scores.shape == (2496,)
+    assert str(scorer.path) == "packed rows, chunked head"
+    assert (scores - reference).abs().max().item() < 1e-4
+    # The prefix token is not scored; every other token is.
+    assert sum(cache.lengths) - 2496 == sum(scorer.layout().batches[i].score_targets.numel() for i in range(len(scorer.layout().batches)))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(path=ScorePath("padded", "chunked")),
+        dict(path=ScorePath("packed", "logits")),
+        dict(path=ScorePath("padded", "logits")),
+        dict(memory_budget=20 * 2**20, row_length=96),
+        dict(memory_budget=200 * 2**20, row_length=1024),
+    ],
+    ids=["padded", "packed-logits", "padded-logits", "small-batches", "large-batches"],
+)
+def test_every_path_and_batching_gives_the_same_decisions(model, cache, reference, options):
+    results_reference = evaluate(model, cache=cache)
+    scores = Scorer(model, cache, **options).score()
+    assert (scores - reference).abs().max().item() < 1e-4
+    decisions = [p.passed for p in results_reference.pairs]
+    good, bad = scores[0::2], scores[1::2]
+    assert (good > bad).tolist() == decisions
+
+
+def test_sentence_order_does_not_change_scores(model, bpe_tokenizer, reference):
+    benchmark = load_benchmark(DATA)
+    reversed_pairs = Benchmark(pairs=benchmark.pairs[::-1], source="reversed", md5="x")
+    scores = Scorer(model, build_cache(bpe_tokenizer, reversed_pairs)).score()
+    # Pair i of the reversed file is pair 1247 - i of the original.
+    restored = scores.view(-1, 2).flip(0).reshape(-1)
+    assert (restored - reference).abs().max().item() < 1e-4
+
+
+def test_falls_back_to_padding_when_packed_positions_are_ignored(model, cache, reference, monkeypatch):
+    import transformers.masking_utils as masking_utils
+
+    # An architecture without packed-sequence support: position ids do not split the rows.
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    scorer = Scorer(model, cache)
+    scores = scorer.score()
+    assert scorer.path.layout == "padded"
+    assert (scores - reference).abs().max().item() < 1e-4
+
+
+def test_bf16_model_scores_with_float32_softmax(bpe_tokenizer, cache):
+    model = tiny_llama(len(bpe_tokenizer)).to(torch.bfloat16)
+    scores = Scorer(model, cache).score()
+    sample = list(range(0, 2496, 97))
+    with torch.no_grad():
+        expected = []
+        for s in sample:
+            ids = torch.tensor([cache.sentence(s)])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            expected.append(float(logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).sum()))
+    assert scores.dtype == torch.float64
+    diffs = (scores[sample] - torch.tensor(expected, dtype=torch.float64)).abs()
+    assert diffs.max().item() < 0.05 * max(cache.lengths)
+
+
+def test_model_mode_is_restored(bpe_tokenizer, small_data):
+    model = tiny_llama(len(bpe_tokenizer), attention_dropout=0.5)
+    model.train()
+    first = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
+    assert model.training
+    second = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
+    # Dropout was off while scoring, so two evaluations agree exactly.
+    assert [p.good_logprob for p in first.pairs] == [p.good_logprob for p in second.pairs]
+    model.eval()
+    evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
+    assert not model.training
+
+
+def test_evaluator_tokenizes_once(model, bpe_tokenizer, small_data, monkeypatch):
+    evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True)
+    first = evaluator(model)
+    import tatblimp_callback.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "encode_sentences", lambda *a, **k: pytest.fail("tokenized again"))
+    second = evaluator(model)
+    assert first.acc == second.acc and first.extra["path"] == second.extra["path"]
+
+
+def test_vocabulary_mismatch_is_an_error_before_any_forward(bpe_tokenizer, cache):
+    small = tiny_llama(100)
+    with pytest.raises(ScoringError, match="embedding has only 100 rows"):
+        Scorer(small, cache)
+
+
+def test_meta_device_model_is_an_error(bpe_tokenizer, cache):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(ScoringError, match="meta device"):
+        Scorer(model, cache)
+
+
+def test_too_long_sentence_is_an_error_or_counted_truncation(bpe_tokenizer, cache):
+    model = tiny_llama(len(bpe_tokenizer), max_position_embeddings=20)
+    longest = max(cache.lengths)
+    with pytest.raises(ScoringError, match=r"pair \d+ \((good|bad) sentence\) has \d+ tokens, more than the model's context of 20"):
+        Scorer(model, cache)
+    results = evaluate(model, cache=cache, truncate=True)
+    too_long = sum(n > 20 for n in cache.lengths)
+    assert longest > 20 and results.truncated_sentences == too_long > 0
+    assert max(p.good_tokens for p in results.pairs) == 19
