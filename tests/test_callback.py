@@ -1,0 +1,174 @@
+"""TatBLiMPCallback inside real (tiny) HF Trainer runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from tatblimp_callback import TatBLiMPCallback, evaluate
+from trainer_utils import losses, make_trainer, tatblimp_entries
+
+PHENOMENA = 16
+
+
+def callback(small_data, **options):
+    return TatBLiMPCallback(data=small_data, allow_modified=True, **options)
+
+
+def test_scores_at_start_every_n_steps_and_at_the_end(bpe_tokenizer, small_data, tmp_path):
+    cb = callback(small_data, eval_steps=2)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb])
+    trainer.train()
+    entries = tatblimp_entries(trainer)
+    assert [e["step"] for e in entries] == [0, 2, 4, 5]
+    last = entries[-1]
+    assert sum(k.endswith("/acc_norm") for k in last) == PHENOMENA + 1
+    assert sum(k.endswith("/acc") for k in last) == PHENOMENA + 1
+    # The last logged numbers are those of the trained weights.
+    final = evaluate(trainer.model, bpe_tokenizer, small_data, allow_modified=True)
+    assert last["tatblimp/acc"] == final.acc and last["tatblimp/acc_norm"] == final.acc_norm
+    assert last["tatblimp/binding/acc_norm"] == final.phenomena["binding"].acc_norm
+    assert [h["step"] for h in cb.history] == [0, 2, 4, 5] and cb.failures == 0
+
+
+def test_training_losses_are_bit_identical_with_and_without_the_callback(bpe_tokenizer, small_data, tmp_path, monkeypatch):
+    def run(callbacks):
+        model = tiny_llama(len(bpe_tokenizer), attention_dropout=0.3)
+        trainer = make_trainer(model, bpe_tokenizer, tmp_path / str(len(callbacks)), callbacks, max_steps=6)
+        trainer.train()
+        return losses(trainer), model
+
+    plain, _ = run([])
+    # Make scoring consume random numbers: the callback must still leave every generator as it was.
+    import tatblimp_callback.evaluation as evaluation
+
+    original = evaluation.Evaluator.__call__
+
+    def noisy(self, model):
+        torch.rand(10), __import__("random").random(), __import__("numpy").random.rand()
+        return original(self, model)
+
+    monkeypatch.setattr(evaluation.Evaluator, "__call__", noisy)
+    cb = callback(small_data, eval_steps=2)
+    with_callback, model = run([cb])
+    assert len(plain) == 6 and plain == with_callback
+    assert len(cb.history) == 4 and model.training
+
+
+def test_gradient_accumulation_counts_optimizer_steps(bpe_tokenizer, small_data, tmp_path):
+    cb = callback(small_data, eval_steps=2, eval_on_start=False)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], gradient_accumulation_steps=3, max_steps=4)
+    trainer.train()
+    assert [e["step"] for e in tatblimp_entries(trainer)] == [2, 4]
+
+
+@pytest.mark.parametrize("options", [dict(gradient_checkpointing=True), dict(bf16=True)], ids=["checkpointing", "bf16"])
+def test_gradient_checkpointing_and_mixed_precision(bpe_tokenizer, small_data, tmp_path, options):
+    cb = callback(small_data, eval_steps=3)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=3, **options)
+    trainer.train()
+    entries = tatblimp_entries(trainer)
+    assert [e["step"] for e in entries] == [0, 3] and cb.failures == 0
+    assert entries[-1]["tatblimp/acc"] == evaluate(trainer.model, bpe_tokenizer, small_data, allow_modified=True).acc
+
+
+def test_compiled_model_scores_like_the_plain_one(bpe_tokenizer, small_data):
+    model = tiny_llama(len(bpe_tokenizer))
+    plain = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
+    compiled = evaluate(torch.compile(model), bpe_tokenizer, small_data, allow_modified=True)
+    assert [p.good_logprob for p in plain.pairs] == [p.good_logprob for p in compiled.pairs]
+
+
+def test_lora_model(bpe_tokenizer, small_data, tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(len(bpe_tokenizer)), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cb = callback(small_data, eval_steps=5)
+    trainer = make_trainer(model, bpe_tokenizer, tmp_path, [cb], max_steps=5, learning_rate=5e-2)
+    trainer.train()
+    merged = model.merge_and_unload()
+    expected = evaluate(merged, bpe_tokenizer, small_data, allow_modified=True)
+    last = tatblimp_entries(trainer)[-1]
+    assert last["step"] == 5 and last["tatblimp/acc"] == expected.acc
+    assert abs(cb.last_results.pairs[0].good_logprob - expected.pairs[0].good_logprob) < 1e-4
+
+
+def test_a_scoring_error_is_logged_and_training_goes_on(bpe_tokenizer, tmp_path, caplog):
+    cb = TatBLiMPCallback(data=tmp_path / "missing.jsonl", eval_steps=2)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert cb.failures == 4  # preparing the cache, then steps 0, 2 and 4
+    assert [e["tatblimp/failures"] for e in tatblimp_entries(trainer, "tatblimp/failures")] == [2.0, 3.0, 4.0]
+    assert "missing.jsonl: cannot read the benchmark file" in caplog.text and "Traceback" in caplog.text
+
+
+def test_raise_on_error_stops_training(bpe_tokenizer, tmp_path):
+    from tatblimp_callback import BenchmarkError
+
+    cb = TatBLiMPCallback(data=tmp_path / "missing.jsonl", eval_steps=2, raise_on_error=True)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4)
+    with pytest.raises(BenchmarkError, match="missing.jsonl"):
+        trainer.train()
+
+
+def test_cache_is_saved_and_reused_by_fingerprint(bpe_tokenizer, eos_only_tokenizer, small_data, tmp_path, monkeypatch):
+    path = tmp_path / "cache.safetensors"
+    first = callback(small_data, eval_steps=10, cache_path=path)
+    make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [first], max_steps=1).train()
+    assert path.exists()
+
+    import tatblimp_callback.cache as cache_module
+
+    real_encode = cache_module.encode_sentences
+    calls = []
+    monkeypatch.setattr(cache_module, "encode_sentences", lambda *a, **k: calls.append(1) or real_encode(*a, **k))
+    resumed = callback(small_data, eval_steps=10, cache_path=path)
+    make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [resumed], max_steps=1).train()
+    assert calls == [] and resumed.history[0]["tatblimp/acc"] == first.history[0]["tatblimp/acc"]
+
+    other = callback(small_data, eval_steps=10, cache_path=path, tokenizer=eos_only_tokenizer)
+    make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [other], max_steps=1).train()
+    assert calls == [1]  # a different tokenizer: rebuilt, not trusted
+
+
+WANDB_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from conftest import tiny_llama, train_bpe
+from trainer_utils import make_trainer
+from tatblimp_callback import TatBLiMPCallback
+tokenizer = train_bpe()
+cb = TatBLiMPCallback(data={data!r}, allow_modified=True, eval_steps=2)
+trainer = make_trainer(tiny_llama(len(tokenizer)), tokenizer, {out!r}, [cb], report_to=["wandb"], max_steps=5)
+trainer.train()
+import wandb
+print("RUN_DIR=" + wandb.run.dir.rsplit("/files", 1)[0])
+wandb.finish()
+"""
+
+
+def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_path):
+    tests = str(Path(__file__).parent)
+    script = WANDB_SCRIPT.format(tests=tests, data=str(small_data), out=str(tmp_path / "out"))
+    env = {**__import__("os").environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": "tatblimp-test"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = next(line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR="))
+    wandb_bin = str(Path(sys.executable).parent / "wandb")
+    records = subprocess.run([wandb_bin, "leet", "inspect", "--json", run_dir], capture_output=True, text=True, timeout=120).stdout
+    history = [json.loads(line)["history"]["item"] for line in records.splitlines() if '"type":"history"' in line]
+    ours = [item for item in history if "tatblimp/acc" in item]
+    assert [item["train/global_step"] for item in ours] == [0, 2, 4, 5]
+    keys = set(ours[-1])
+    assert {"tatblimp/acc", "tatblimp/acc_norm", "tatblimp/quantifiers/acc_norm", "tatblimp/binding/acc"} <= keys
+    assert sum(k.startswith("tatblimp/") and k.count("/") == 2 for k in keys) == 2 * PHENOMENA
+    assert not any(k.startswith("train/tatblimp") for item in history for k in item)
+    # The Trainer's own losses still go to train/, and the end-of-training table is logged.
+    assert any("train/loss" in item for item in history)
+    assert '"path":"tatblimp/results.table.json"' in records.replace(" ", "")

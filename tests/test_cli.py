@@ -1,0 +1,77 @@
+"""`tatblimp score` end to end on a saved tiny model and the real benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, reference_logprobs, tiny_llama
+from tatblimp_callback import load_benchmark
+from tatblimp_callback.cli import main
+from tatblimp_callback.data import OFFICIAL_PHENOMENA
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, bpe_tokenizer):
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_score_prints_the_table_and_writes_json(model_dir, bpe_tokenizer, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert main(["score", str(model_dir), "--data", str(DATA), "--output", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in OFFICIAL_PHENOMENA) and "overall" in printed and "TatBLiMP v1.0" in printed
+
+    results = json.loads(out.read_text())
+    assert set(results["phenomena"]) == set(OFFICIAL_PHENOMENA)
+    assert {name: g["n"] for name, g in results["phenomena"].items()} == OFFICIAL_PHENOMENA
+    assert results["benchmark"]["md5"] == "7659770ffe671579746a445a173a294a"
+
+    # Independent check: one sentence at a time, from the saved weights, in file order.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    benchmark = load_benchmark(DATA)
+    picks = range(0, 1248, 41)
+    sentences = [s for i in picks for s in (benchmark.pairs[i].good, benchmark.pairs[i].bad)]
+    ids = [[bpe_tokenizer.bos_token_id, *x] for x in bpe_tokenizer(sentences, add_special_tokens=False)["input_ids"]]
+    expected = reference_logprobs(model, ids)
+    got = [v for i in picks for v in (results["pairs"][i]["good_logprob"], results["pairs"][i]["bad_logprob"])]
+    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+
+    pairs = results["pairs"]
+    acc = sum(p["good_logprob"] > p["bad_logprob"] for p in pairs) / 1248
+    acc_norm = sum(p["good_logprob"] / p["good_bytes"] > p["bad_logprob"] / p["bad_bytes"] for p in pairs) / 1248
+    assert results["acc"] == pytest.approx(acc) and results["acc_norm"] == pytest.approx(acc_norm)
+    quantifiers = [p for p in pairs if p["phenomenon"] == "quantifiers"]
+    assert results["phenomena"]["quantifiers"]["acc"] == pytest.approx(
+        sum(p["good_logprob"] > p["bad_logprob"] for p in quantifiers) / 85
+    )
+
+
+def test_failure_is_one_line_and_non_zero(tmp_path):
+    completed = subprocess.run(
+        [str(Path(sys.executable).parent / "tatblimp"), "score", str(tmp_path / "no-model"), "--data", str(DATA)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 1
+    assert completed.stderr.startswith("tatblimp score: error: ")
+    assert len(completed.stderr.strip().splitlines()) == 1 and "Traceback" not in completed.stderr
+
+
+def test_modified_data_without_consent_fails_cleanly(model_dir, tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"good": "Мин барам.", "bad": "Мин барасың.", "phenomenon": "agr"}, ensure_ascii=False) + "\n")
+    assert main(["score", str(model_dir), "--data", str(data)]) == 1
+    assert "not the official TatBLiMP v1.0 release" in capsys.readouterr().err
+    assert main(["score", str(model_dir), "--data", str(data), "--allow-modified"]) == 0
+    assert "modified (md5" in capsys.readouterr().out

@@ -1,0 +1,93 @@
+"""Loading the benchmark: the official file, modified files, BLiMP field names, and every bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import DATA, write_pairs
+from tatblimp_callback import BenchmarkError, load_benchmark
+from tatblimp_callback.data import OFFICIAL_MD5, OFFICIAL_PHENOMENA, OFFICIAL_RELEASE
+
+GOOD = {"good": "Мин китап укыйм.", "bad": "Мин китап укыйсың.", "phenomenon": "subject_verb_agreement", "subtype": "1sg"}
+
+
+def test_official_release():
+    benchmark = load_benchmark(DATA)
+    assert len(benchmark) == 1248 and len(benchmark.sentences) == 2496
+    assert benchmark.md5 == OFFICIAL_MD5 and benchmark.official and benchmark.release == OFFICIAL_RELEASE
+    counts = {name: sum(p.phenomenon == name for p in benchmark.pairs) for name in benchmark.phenomena}
+    assert counts == OFFICIAL_PHENOMENA
+    assert benchmark.sentences[0] == benchmark.pairs[0].good and benchmark.sentences[1] == benchmark.pairs[0].bad
+
+
+def test_environment_variable(monkeypatch):
+    monkeypatch.setenv("TATBLIMP_DATA", str(DATA))
+    assert load_benchmark().md5 == OFFICIAL_MD5
+
+
+def test_hub_download_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("TATBLIMP_DATA", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(BenchmarkError, match="ilchats/TatBLiMP.*(offline|cache)"):
+        load_benchmark()
+
+
+def test_modified_file_needs_consent_and_is_named(tmp_path):
+    path = write_pairs(tmp_path / "mine.jsonl", [GOOD])
+    with pytest.raises(BenchmarkError, match="is not the official TatBLiMP v1.0 release"):
+        load_benchmark(path)
+    benchmark = load_benchmark(path, allow_modified=True)
+    assert not benchmark.official
+    assert benchmark.release == f"modified (md5 {benchmark.md5})" and len(benchmark.md5) == 32
+
+
+def test_blimp_field_names(tmp_path):
+    records = [
+        {"sentence_good": "A b c.", "sentence_bad": "A c b.", "UID": "word_order_x"},
+        {"sentence_good": "D e.", "sentence_bad": "D f.", "linguistics_term": "agreement", "UID": "agr_1"},
+        {"sentence_good": "G h.", "sentence_bad": "H g.", "phenomenon": "binding"},
+    ]
+    pairs = load_benchmark(write_pairs(tmp_path / "blimp.jsonl", records), allow_modified=True).pairs
+    assert [(p.good, p.bad, p.phenomenon) for p in pairs] == [
+        ("A b c.", "A c b.", "word_order_x"),
+        ("D e.", "D f.", "agreement"),
+        ("G h.", "H g.", "binding"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "second_line, message",
+    [
+        (b"{not json", r":2: invalid JSON"),
+        (b'["a", "b"]', r":2: expected a JSON object, got list"),
+        (json.dumps({"good": "x", "phenomenon": "p"}).encode(), r":2: missing field 'bad'"),
+        (json.dumps({"good": "x", "bad": " ", "phenomenon": "p"}).encode(), r":2: field 'bad' is empty"),
+        (json.dumps({"good": "x", "bad": 3, "phenomenon": "p"}).encode(), r":2: field 'bad' must be a string, got int"),
+        (json.dumps({"good": "x", "bad": "x", "phenomenon": "p"}).encode(), r":2: the good and bad sentences are identical"),
+        (json.dumps({"good": "x", "bad": "y"}).encode(), r":2: missing field 'phenomenon'"),
+        (json.dumps({"good": "x", "bad": "y", "phenomenon": "p", "subtype": 1}).encode(), r":2: field 'subtype' must be a string or null"),
+        ("{\"good\": \"\u043a\"}".encode("utf-8")[:-3] + b"\xff\"}", r":2: bytes that are not UTF-8"),
+        (b"", r":2: empty line inside the file"),
+    ],
+    ids=["json", "not-object", "missing", "empty", "non-string", "identical", "no-phenomenon", "subtype", "utf8", "blank"],
+)
+def test_bad_lines_name_file_and_line(tmp_path, second_line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(json.dumps(GOOD, ensure_ascii=False).encode() + b"\n" + second_line + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    with pytest.raises(BenchmarkError, match=str(path).replace(".", r"\.") + message):
+        load_benchmark(path, allow_modified=True)
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.jsonl").write_bytes(b"\n")
+    with pytest.raises(BenchmarkError, match=r"empty\.jsonl: the file holds no pairs"):
+        load_benchmark(tmp_path / "empty.jsonl", allow_modified=True)
+    with pytest.raises(BenchmarkError, match=r"nowhere\.jsonl: cannot read"):
+        load_benchmark(tmp_path / "nowhere.jsonl")

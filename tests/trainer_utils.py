@@ -1,0 +1,49 @@
+"""A tiny HF Trainer run on the shared Tatar corpus, for the callback tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from conftest import CORPUS
+
+
+def corpus_blocks(tokenizer, block: int = 32, lines: int = 300) -> list[dict]:
+    text = CORPUS.read_text(encoding="utf-8").splitlines()[:lines]
+    ids = [t for line in tokenizer(text, add_special_tokens=False)["input_ids"] for t in [*line, tokenizer.eos_token_id]]
+    return [{"input_ids": ids[i : i + block], "labels": ids[i : i + block]} for i in range(0, len(ids) - block, block)]
+
+
+def make_trainer(model, tokenizer, output_dir, callbacks=(), **overrides) -> Trainer:
+    options = dict(
+        output_dir=str(output_dir),
+        max_steps=5,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    args = TrainingArguments(**{**options, **overrides})
+    trainer = Trainer(model=model, args=args, train_dataset=corpus_blocks(tokenizer), processing_class=tokenizer)
+    for callback in callbacks:
+        if getattr(callback, "trainer", False) is None:
+            callback.trainer = trainer
+        trainer.add_callback(callback)
+    return trainer
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def tatblimp_entries(trainer: Trainer, key: str = "tatblimp/acc") -> list[dict]:
+    return [entry for entry in trainer.state.log_history if key in entry]
+
+
+def weights_copy(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}
