@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from conftest import tiny_llama
 from tatblimp_callback import TatBLiMPCallback, evaluate
@@ -21,12 +22,25 @@ def callback(small_data, **options):
     return TatBLiMPCallback(data=small_data, allow_modified=True, **options)
 
 
+class Reporter(TrainerCallback):
+    """Stands for a report_to backend such as tensorboard: records what reaches on_log."""
+
+    def __init__(self):
+        self.logged = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logged.append((state.global_step, dict(logs)))
+
+
 def test_scores_at_start_every_n_steps_and_at_the_end(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=2)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb])
+    reporter = Reporter()
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [reporter, cb])
     trainer.train()
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [0, 2, 4, 5]
+    reported = [(step, logs["tatblimp/acc_norm"]) for step, logs in reporter.logged if "tatblimp/acc_norm" in logs]
+    assert reported == [(e["step"], e["tatblimp/acc_norm"]) for e in entries]
     last = entries[-1]
     assert sum(k.endswith("/acc_norm") for k in last) == PHENOMENA + 1
     assert sum(k.endswith("/acc") for k in last) == PHENOMENA + 1
@@ -172,3 +186,14 @@ def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_
     # The Trainer's own losses still go to train/, and the end-of-training table is logged.
     assert any("train/loss" in item for item in history)
     assert '"path":"tatblimp/results.table.json"' in records.replace(" ", "")
+
+
+def test_scores_when_the_trainer_evaluates(bpe_tokenizer, small_data, tmp_path):
+    from trainer_utils import corpus_blocks
+
+    cb = callback(small_data, eval_steps=100, eval_on_start=False, eval_on_end=False, eval_on_evaluate=True)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4,
+                           eval_strategy="steps", eval_steps=3, eval_dataset=corpus_blocks(bpe_tokenizer, lines=20))
+    trainer.train()
+    # The Trainer evaluates at step 3 and, as the run ends there, at the last step 4.
+    assert [e["step"] for e in tatblimp_entries(trainer)] == [3, 4]

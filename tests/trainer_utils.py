@@ -14,7 +14,7 @@ def corpus_blocks(tokenizer, block: int = 32, lines: int = 300) -> list[dict]:
     return [{"input_ids": ids[i : i + block], "labels": ids[i : i + block]} for i in range(0, len(ids) - block, block)]
 
 
-def make_trainer(model, tokenizer, output_dir, callbacks=(), **overrides) -> Trainer:
+def make_trainer(model, tokenizer, output_dir, callbacks=(), eval_dataset=None, **overrides) -> Trainer:
     options = dict(
         output_dir=str(output_dir),
         max_steps=5,
@@ -29,7 +29,9 @@ def make_trainer(model, tokenizer, output_dir, callbacks=(), **overrides) -> Tra
         disable_tqdm=True,
     )
     args = TrainingArguments(**{**options, **overrides})
-    trainer = Trainer(model=model, args=args, train_dataset=corpus_blocks(tokenizer), processing_class=tokenizer)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=corpus_blocks(tokenizer), eval_dataset=eval_dataset, processing_class=tokenizer
+    )
     for callback in callbacks:
         if getattr(callback, "trainer", False) is None:
             callback.trainer = trainer
