@@ -1,13 +1,17 @@
 """Score causal language models on TatBLiMP, the Tatar benchmark of linguistic minimal pairs.
 
 Entry points: ``TatBLiMPCallback`` for the Hugging Face Trainer, ``evaluate`` and ``Evaluator``
-for custom loops, ``load_benchmark`` for the data, and the ``tatblimp`` command.
+for custom loops, ``load_benchmark`` for the data, and the ``tatblimp`` command. Chat models:
+``evaluate_forced_choice`` (local) and ``evaluate_endpoint`` (an OpenAI-compatible server).
 """
 
 from .callback import TatBLiMPCallback
 from .cache import SentenceCache, build_cache
 from .data import Benchmark, BenchmarkError, Pair, load_benchmark
+from .distributed import PeerFailure, this_process_only
+from .endpoint import ChatClient, EndpointError, evaluate_endpoint
 from .evaluation import Evaluator, evaluate
+from .forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
 from .metrics import GroupResult, PairResult, Results, compute_results
 from .scoring import ScorePath, Scorer, ScoringError
 from .tokenization import SentencePieceTokenizer, TokenizationError, load_tokenizer
@@ -17,10 +21,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Benchmark",
     "BenchmarkError",
+    "ChatClient",
+    "EndpointError",
     "Evaluator",
+    "ForcedChoiceEvaluator",
+    "ForcedChoiceResults",
     "GroupResult",
     "Pair",
     "PairResult",
+    "PeerFailure",
     "Results",
     "ScorePath",
     "Scorer",
@@ -32,6 +41,9 @@ __all__ = [
     "build_cache",
     "compute_results",
     "evaluate",
+    "evaluate_endpoint",
+    "evaluate_forced_choice",
     "load_benchmark",
     "load_tokenizer",
+    "this_process_only",
 ]

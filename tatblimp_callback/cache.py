@@ -92,7 +92,10 @@ class SentenceCache:
 
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSOR_FIELDS}
         metadata = {"format": str(CACHE_FORMAT), "fields": json.dumps(self._metadata_fields())}
-        save_file(tensors, os.fspath(path), metadata=metadata)
+        # Written aside and renamed: several processes (one per GPU) may save the same path at once.
+        partial = f"{os.fspath(path)}.{os.getpid()}.partial"
+        save_file(tensors, partial, metadata=metadata)
+        os.replace(partial, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "SentenceCache":

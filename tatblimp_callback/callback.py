@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,10 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from .curves import DEFAULT_THRESHOLD, acquisition_steps
 from .data import Benchmark
 from .evaluation import Evaluator
+from .forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
 from .metrics import Results
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,18 @@ class TatBLiMPCallback(TrainerCallback):
     log_table: bool = True
     """At the end of training, log a wandb Table of the per-phenomenon results."""
 
+    acquisition_threshold: float = DEFAULT_THRESHOLD
+    """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
+
+    protocol: str = "logprob"
+    """What to score: "logprob" (logP(good) > logP(bad), keys ``<prefix>/...``); "forced-choice"
+    (a chat model names the grammatical one of sentences A and B, both orderings, from its
+    chat template; keys ``<prefix>_fc/accuracy``, ``<prefix>_fc/both_orders``, ``<prefix>_fc/a_share``,
+    per phenomenon; for supervised fine-tuning of instruction models); or "both"."""
+
+    forced_choice_prompt: str | None = None
+    """The forced-choice user message with ``{a}`` and ``{b}``; None: ``forced_choice.DEFAULT_PROMPT``."""
+
     history: list[dict[str, float]] = field(default_factory=list, init=False)
     """One entry per evaluation: ``step`` and the logged metrics."""
 
@@ -88,9 +103,20 @@ class TatBLiMPCallback(TrainerCallback):
 
     last_results: Results | None = field(default=None, init=False, repr=False)
 
+    last_fc_results: ForcedChoiceResults | None = field(default=None, init=False, repr=False)
+    """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
+
+    acquisition: dict[str, int | None] = field(default_factory=dict, init=False)
+    """Set at the end of training: per phenomenon, the first step from which acc_norm stayed at or
+    above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
+    (the string "never" there, since wandb drops None)."""
+
     def __post_init__(self):
         if self.eval_steps < 1:
             raise ValueError(f"eval_steps must be at least 1, got {self.eval_steps}")
+        if self.protocol not in ("logprob", "forced-choice", "both"):
+            raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
+        self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._last_step: int | None = None
         self._wandb_metrics_defined = False
@@ -101,7 +127,16 @@ class TatBLiMPCallback(TrainerCallback):
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        if self._evaluator is None:
+        if self._fc_evaluator is None and self.protocol != "logprob":
+            self._fc_evaluator = ForcedChoiceEvaluator(
+                tokenizer,
+                self.data,
+                prompt=self.forced_choice_prompt or DEFAULT_PROMPT,
+                allow_modified=self.allow_modified,
+                memory_budget=self.memory_budget,
+            )
+            self._guarded(self._fc_evaluator.prepare, model)
+        if self._evaluator is None and self.protocol != "forced-choice":
             self._evaluator = Evaluator(
                 tokenizer,
                 self.data,
@@ -129,26 +164,42 @@ class TatBLiMPCallback(TrainerCallback):
             self._score(args, state, control, model)
         if self.log_table and self.last_results is not None and state.is_world_process_zero:
             self._guarded(self._log_wandb_table, args, self.last_results)
+        self.acquisition = acquisition_steps(self.history, self.acquisition_threshold, prefix=self.log_prefix)
+        if self.acquisition and state.is_world_process_zero:
+            self._guarded(self._log_wandb_acquisition, args)
 
     # -- scoring and logging --------------------------------------------------------------------
 
     def _score(self, args, state, control, model) -> None:
-        if model is None or self._evaluator is None or self._last_step == state.global_step:
+        if model is None or (self._evaluator is None and self._fc_evaluator is None) or self._last_step == state.global_step:
             return
         self._last_step = state.global_step
         rng = _rng_state()
         try:
-            results = self._guarded(self._evaluator, model)
+            results = self._guarded(self._evaluator, model) if self._evaluator is not None else None
+            fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
         finally:
             _set_rng_state(rng)
         if results is None:
-            metrics = {f"{self.log_prefix}/failures": float(self.failures)}
+            metrics = {}
         else:
             self.last_results = results
             metrics = results.flat_metrics(self.log_prefix)
+            if results.partial:
+                logger.warning(
+                    "tatblimp: step %d: %d pairs have non-finite log-probs and are left out of the metrics (%s)",
+                    state.global_step,
+                    results.non_finite_pairs,
+                    ", ".join(name for name, group in results.phenomena.items() if group.non_finite),
+                )
             metrics[f"{self.log_prefix}/eval_seconds"] = results.extra["seconds"]
-            if self.failures:
-                metrics[f"{self.log_prefix}/failures"] = float(self.failures)
+        if fc_results is not None:
+            self.last_fc_results = fc_results
+            metrics.update(fc_results.flat_metrics(f"{self.log_prefix}_fc"))
+            metrics[f"{self.log_prefix}_fc/eval_seconds"] = fc_results.extra["seconds"]
+        if self.failures:
+            metrics[f"{self.log_prefix}/failures"] = float(self.failures)
+        if results is not None or fc_results is not None:
             self.history.append({"step": state.global_step, **metrics})
         if state.is_world_process_zero:
             self._log(args, state, control, model, metrics)
@@ -161,7 +212,9 @@ class TatBLiMPCallback(TrainerCallback):
             if self.raise_on_error:
                 raise
             self.failures += 1
-            logger.exception("tatblimp: scoring failed (failure %d); training continues", self.failures)
+            # The traceback goes in as text: a record holding exc_info would keep the failed
+            # evaluation's frames, and every tensor they reference, alive in any handler that stores records.
+            logger.error("tatblimp: scoring failed (failure %d); training continues\n%s", self.failures, traceback.format_exc())
             return None
 
     def _log(self, args, state, control, model, metrics: dict[str, float]) -> None:
@@ -180,6 +233,7 @@ class TatBLiMPCallback(TrainerCallback):
         if not self._wandb_metrics_defined:
             run.define_metric("train/global_step")
             run.define_metric(f"{self.log_prefix}/*", step_metric="train/global_step", step_sync=True)
+            run.define_metric(f"{self.log_prefix}_fc/*", step_metric="train/global_step", step_sync=True)
             self._wandb_metrics_defined = True
         run.log({**metrics, "train/global_step": state.global_step})
 
@@ -195,6 +249,12 @@ class TatBLiMPCallback(TrainerCallback):
         run.log({f"{self.log_prefix}/results": wandb.Table(columns=columns, data=rows)})
         run.summary[f"{self.log_prefix}/acc"] = results.acc
         run.summary[f"{self.log_prefix}/acc_norm"] = results.acc_norm
+
+    def _log_wandb_acquisition(self, args) -> None:
+        run = _wandb_run(args)
+        if run is not None:
+            for name, step in self.acquisition.items():
+                run.summary[f"{self.log_prefix}/acquisition/{name}"] = "never" if step is None else step
 
 
 def _wandb_run(args):

@@ -1,6 +1,10 @@
 """The ``tatblimp`` command.
 
     tatblimp score MODEL_DIR [--data PATH] [--device DEV] [--dtype DTYPE] [--output results.json]
+    tatblimp score MODEL_DIR --protocol forced-choice            (a local chat model; see forced_choice.py)
+    tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
+    tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
+    tatblimp compare RESULTS... [--markdown out.md] [--plot out.png]      (see compare.py)
 
 A failure exits with status 1 and a one-line message on stderr, not a traceback.
 """
@@ -34,10 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     score = commands.add_parser("score", help="score one model and print the per-phenomenon table")
-    score.add_argument("model", help="a folder saved with save_pretrained, or a Hub model id")
+    score.add_argument("model", nargs="?", help="a folder saved with save_pretrained, or a Hub model id (not with --endpoint)")
     add_model_arguments(score)
     score.add_argument("--output", help="write the results as JSON here")
+    add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
+
+    from .compare import add_compare_parser
+    from .sweep import add_sweep_parser
+
+    add_sweep_parser(commands)
+    add_compare_parser(commands)
     return parser
 
 
@@ -54,20 +65,30 @@ def load_model(model_dir: str, device: str | None, dtype: str):
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
+    from .data import load_benchmark
     from .evaluation import evaluate
-    from .tokenization import load_tokenizer
+    from .tokenization import check_sentencepiece_mismatch, load_tokenizer
 
     model = load_model(model_dir, args.device, args.dtype)
-    tokenizer = load_tokenizer(args.tokenizer or model_dir)
-    return evaluate(
+    tokenizer_source = args.tokenizer or model_dir
+    tokenizer = load_tokenizer(tokenizer_source)
+    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
+    # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
+    mismatches = None
+    if Path(tokenizer_source).is_dir():
+        mismatches = check_sentencepiece_mismatch(tokenizer_source, tokenizer, benchmark.sentences)
+    results = evaluate(
         model,
         tokenizer,
-        args.data,
+        benchmark,
         prefix_token_id=args.prefix_token_id,
         allow_modified=args.allow_modified,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
     )
+    if mismatches is not None:
+        results.extra["sentencepiece_mismatches"] = mismatches
+    return results
 
 
 def write_json(path: str, payload) -> None:
@@ -76,8 +97,77 @@ def write_json(path: str, payload) -> None:
 
 
 def run_score(args: argparse.Namespace) -> None:
+    if args.endpoint or args.protocol == "forced-choice":
+        return run_forced_choice(args)
+    if not args.model:
+        raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
     results = evaluate_from_args(args, args.model)
     results.extra["model"] = args.model
+    print(results.format_table())
+    if args.output:
+        write_json(args.output, results.to_dict())
+        print(f"wrote {args.output}")
+
+
+def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
+    """``score`` options of the forced-choice protocol (local chat model or chat-completions endpoint)."""
+    group = parser.add_argument_group("forced choice (chat models; see forced_choice.py and endpoint.py)")
+    group.add_argument("--protocol", choices=("logprob", "forced-choice"), default="logprob",
+                       help="logprob: logP(good) > logP(bad) (default); forced-choice: the model names the grammatical "
+                       "one of sentences A and B, both orderings")
+    group.add_argument("--prompt-file", help="UTF-8 file with the user message, {a} and {b} for the sentences "
+                       "(default: forced_choice.DEFAULT_PROMPT)")
+    group.add_argument("--system-prompt", help="a system message before each prompt (default: none)")
+    group.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    group.add_argument("--model-name", help="the model field of each endpoint request")
+    group.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                       help="environment variable holding the endpoint's API key, if it needs one (default: OPENAI_API_KEY)")
+    group.add_argument("--results", help="endpoint: append answers to this JSONL file and skip those already in it")
+    group.add_argument("--concurrency", type=int, default=8, help="endpoint: requests at once (default: 8)")
+    group.add_argument("--max-retries", type=int, default=4, help="endpoint: retries per request on 5xx/connection errors")
+    group.add_argument("--timeout", type=float, default=60.0, help="endpoint: seconds per request (default: 60)")
+    group.add_argument("--max-tokens", type=int, default=8, help="endpoint: reply token limit (default: 8)")
+    group.add_argument("--extra-body", help='endpoint: JSON object of extra request fields, e.g. \'{"guided_choice": ["A", "B"]}\'')
+
+
+def run_forced_choice(args: argparse.Namespace) -> None:
+    """``tatblimp score --protocol forced-choice``: a local chat model, or an endpoint with ``--endpoint``."""
+    import os
+
+    from .forced_choice import DEFAULT_PROMPT, check_prompt
+
+    if args.protocol != "forced-choice":
+        raise ValueError("--endpoint needs --protocol forced-choice (chat endpoints give no sentence log-probabilities)")
+    prompt = check_prompt(Path(args.prompt_file).read_text(encoding="utf-8")) if args.prompt_file else DEFAULT_PROMPT
+    if args.endpoint:
+        from .endpoint import ChatClient, evaluate_endpoint
+
+        if not args.model_name:
+            raise ValueError("--endpoint needs --model-name (the model field of each request)")
+        if args.model:
+            raise ValueError(f"give either a model folder ({args.model}) or --endpoint, not both")
+        extra_body = json.loads(args.extra_body) if args.extra_body else None
+        if extra_body is not None and not isinstance(extra_body, dict):
+            raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body}")
+        client = ChatClient(args.endpoint, args.model_name, api_key=os.environ.get(args.api_key_env) or None,
+                            max_tokens=args.max_tokens, extra_body=extra_body, timeout=args.timeout,
+                            max_retries=args.max_retries)
+        results = evaluate_endpoint(client, args.data, prompt=prompt, system_prompt=args.system_prompt,
+                                    results_path=args.results, concurrency=args.concurrency,
+                                    allow_modified=args.allow_modified, progress=sys.stderr.isatty())
+    else:
+        from .forced_choice import evaluate_forced_choice
+        from .tokenization import load_tokenizer
+
+        if not args.model:
+            raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
+        model = load_model(args.model, args.device, args.dtype)
+        results = evaluate_forced_choice(
+            model, load_tokenizer(args.tokenizer or args.model), args.data, prompt=prompt,
+            system_prompt=args.system_prompt, allow_modified=args.allow_modified,
+            memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
+        )
+        results.model = args.model
     print(results.format_table())
     if args.output:
         write_json(args.output, results.to_dict())

@@ -123,7 +123,9 @@ def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
         raise BenchmarkError(f"{name}:{line}: bytes that are not UTF-8 ({err.reason} at byte {err.start})") from None
-    lines = text.rstrip("\r\n").splitlines() if text.strip() else []
+    # JSON Lines ends a line at "\n" only: str.splitlines() would also split inside a string
+    # holding U+2028 or a form feed, and shift every line number after it.
+    lines = text.rstrip("\r\n").split("\n") if text.strip() else []
     pairs = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -139,6 +141,10 @@ def _parse_line(line: str, where: str) -> Pair:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise BenchmarkError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise BenchmarkError(f"{where}: invalid JSON (nested too deeply)") from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit
+        raise BenchmarkError(f"{where}: invalid JSON ({err})") from None
     if not isinstance(record, dict):
         raise BenchmarkError(f"{where}: expected a JSON object, got {type(record).__name__}")
     keys = next(((g, b) for g, b in _SENTENCE_FIELDS if g in record or b in record), _SENTENCE_FIELDS[0])
@@ -150,6 +156,8 @@ def _parse_line(line: str, where: str) -> Pair:
     subtype = record.get("subtype")
     if subtype is not None and not isinstance(subtype, str):
         raise BenchmarkError(f"{where}: field 'subtype' must be a string or null, got {type(subtype).__name__}")
+    if subtype is not None:
+        _check_unicode(subtype, "subtype", where)
     return Pair(good=good, bad=bad, phenomenon=phenomenon, subtype=subtype)
 
 
@@ -161,7 +169,16 @@ def _required_string(record: dict, key: str, where: str) -> str:
         raise BenchmarkError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
     if not value.strip():
         raise BenchmarkError(f"{where}: field '{key}' is empty")
+    _check_unicode(value, key, where)
     return value
+
+
+def _check_unicode(value: str, key: str, where: str) -> None:
+    # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer or UTF-8 byte count accepts.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BenchmarkError(f"{where}: field '{key}' is not valid Unicode (a lone surrogate escape)") from None
 
 
 def _default_path() -> Path:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
@@ -88,8 +89,13 @@ class Evaluator:
         return self._scorer
 
     def __call__(self, model: torch.nn.Module) -> Results:
-        """Score every pair with ``model`` and return the results."""
-        scorer = self.prepare(model)
+        """Score every pair with ``model`` and return the results.
+
+        Under ``torch.distributed`` every process calls this; each scores a share of the batches
+        and all of them return the same results. A failure on one process raises on all of them.
+        """
+        with distributed.shared_failures():  # the other processes are about to check in
+            scorer = self.prepare(model)
         start = time.perf_counter()
         logprobs = scorer.score()
         seconds = time.perf_counter() - start

@@ -81,6 +81,16 @@ class Results:
         return self.overall.non_finite
 
     @property
+    def non_finite_sentences(self) -> int:
+        """Sentences whose log-prob is NaN or inf."""
+        return sum(not math.isfinite(p.good_logprob) for p in self.pairs) + sum(not math.isfinite(p.bad_logprob) for p in self.pairs)
+
+    @property
+    def partial(self) -> bool:
+        """True when some pairs are left out of the metrics (non-finite log-probs): the metrics cover the rest."""
+        return self.overall.non_finite > 0
+
+    @property
     def bits_per_byte_good(self) -> float:
         """Bits per UTF-8 byte of the grammatical sentences."""
         finite = [p for p in self.pairs if math.isfinite(p.good_logprob)]
@@ -96,6 +106,8 @@ class Results:
             "ties_norm": self.overall.ties_norm,
             "mean_margin": self.overall.mean_margin,
             "non_finite_pairs": self.overall.non_finite,
+            "non_finite_sentences": self.non_finite_sentences,
+            "partial": self.partial,
             "truncated_sentences": self.truncated_sentences,
             "bits_per_byte_good": self.bits_per_byte_good,
             "tokens": self.tokens,
@@ -115,8 +127,15 @@ class Results:
         for name, group in self.phenomena.items():
             metrics[f"{prefix}/{name}/acc"] = group.acc
             metrics[f"{prefix}/{name}/acc_norm"] = group.acc_norm
-        if self.overall.non_finite:
-            metrics[f"{prefix}/non_finite_pairs"] = self.overall.non_finite
+        if self.partial:  # flagged: the metrics above leave these pairs out
+            metrics[f"{prefix}/partial"] = 1.0
+            metrics[f"{prefix}/non_finite_pairs"] = float(self.overall.non_finite)
+            metrics[f"{prefix}/non_finite_sentences"] = float(self.non_finite_sentences)
+            for name, group in self.phenomena.items():
+                if group.non_finite:
+                    metrics[f"{prefix}/{name}/non_finite_pairs"] = float(group.non_finite)
+        if self.truncated_sentences:
+            metrics[f"{prefix}/truncated_sentences"] = float(self.truncated_sentences)
         return metrics
 
     def format_table(self) -> str:
@@ -134,7 +153,10 @@ class Results:
             lines.append(f"ties (counted as failures): {o.ties} raw, {o.ties_norm} normalised")
         if o.non_finite:
             bad = ", ".join(f"{name} {g.non_finite}" for name, g in self.phenomena.items() if g.non_finite)
-            lines.append(f"WARNING: {o.non_finite} pairs had non-finite log-probs and are left out ({bad})")
+            lines.append(
+                f"WARNING: {o.non_finite} pairs ({self.non_finite_sentences} sentences) had non-finite log-probs "
+                f"and are left out ({bad})"
+            )
         if self.truncated_sentences:
             lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
         return "\n".join(lines)

@@ -9,7 +9,8 @@ Two layouts share one shape, a list of ``Batch`` objects:
   fallback for architectures that do not honour packed position ids.
 
 Each batch also says which of its positions are scored: position ``p`` predicts the token at
-``p + 1`` of the same sentence.
+``p + 1`` of the same sentence. A sentence's last token predicts nothing, so it is left out of
+the rows: a sentence of ``n`` tokens takes ``n - 1`` positions.
 """
 
 from __future__ import annotations
@@ -78,14 +79,15 @@ def build_layout(
     ``sentences`` limits the layout to those sentence indices (all by default).
     """
     lengths = cache.lengths
+    inputs = [n - 1 for n in lengths]  # positions a sentence takes: all its tokens but the last
     chosen = range(len(lengths)) if sentences is None else sentences
     if kind == "packed":
-        row_length = max(row_length, max(lengths[s] for s in chosen))
-        rows = [[chosen[i] for i in row] for row in pack_rows([lengths[s] for s in chosen], row_length)]
+        row_length = max(row_length, max(inputs[s] for s in chosen))
+        rows = [[chosen[i] for i in row] for row in pack_rows([inputs[s] for s in chosen], row_length)]
         row_lengths = [row_length] * len(rows)
     elif kind == "padded":
-        rows = [[s] for s in sorted(chosen, key=lambda s: (-lengths[s], s))]
-        row_lengths = [lengths[row[0]] for row in rows]
+        rows = [[s] for s in sorted(chosen, key=lambda s: (-inputs[s], s))]
+        row_lengths = [inputs[row[0]] for row in rows]
     else:
         raise ValueError(f"unknown layout {kind!r}; expected 'packed' or 'padded'")
 
@@ -99,7 +101,7 @@ def build_layout(
         end = start + max(1, tokens_per_batch // width)
         batch = _make_batch(rows[start:end], width, token_ids, offsets, lengths, cache.prefix_token_id, kind)
         batches.append(_to_device(batch, cache.device))
-        padded += batch.num_positions - sum(lengths[s] for row in rows[start:end] for s in row)
+        padded += batch.num_positions - sum(inputs[s] for row in rows[start:end] for s in row)
         total += batch.num_positions
         start = end
     return Layout(kind=kind, batches=batches, padded_positions=padded, total_positions=total)
@@ -113,14 +115,15 @@ def _make_batch(rows, width, token_ids, offsets, lengths, pad_id, kind) -> Batch
     for r, row in enumerate(rows):
         column = 0
         for sentence in row:
-            n = lengths[sentence]
-            input_ids[r, column : column + n] = token_ids[offsets[sentence] : offsets[sentence] + n]
+            n = lengths[sentence] - 1  # inputs: every token but the last; targets: every token but the first
+            start = offsets[sentence]
+            input_ids[r, column : column + n] = token_ids[start : start + n]
             position_ids[r, column : column + n] = torch.arange(n)
             mask[r, column : column + n] = 1
             flat = r * width + column
-            positions.append(torch.arange(flat, flat + n - 1))
-            targets.append(token_ids[offsets[sentence] + 1 : offsets[sentence] + n])
-            sentences.append(torch.full((n - 1,), sentence, dtype=torch.long))
+            positions.append(torch.arange(flat, flat + n))
+            targets.append(token_ids[start + 1 : start + n + 1])
+            sentences.append(torch.full((n,), sentence, dtype=torch.long))
             column += n
         # Padding after the last sentence: its own position run, so it is a separate block when packed.
         position_ids[r, column:] = torch.arange(width - column)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import distributed
 from .cache import SentenceCache
 from .packing import Batch, Layout, build_layout
 
@@ -26,9 +27,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_LENGTH = 256
 CPU_MEMORY_BUDGET = 512 * 2**20
-# On a CPU the LM head runs fastest on chunks whose logits stay in cache (measured on 2 cores).
-CPU_HEAD_CHUNK_BYTES = 96 * 2**20
+# On a CPU the LM head plus cross-entropy runs faster on larger chunks of float32 logits, up to
+# this size (measured on 2 cores in the full scorer: 48 MiB chunks 20.3 s, 96 MiB 15.1 s).
+CPU_HEAD_CHUNK_BYTES = 192 * 2**20
 MIN_MEMORY_BUDGET = 16 * 2**20
+# The default budget is at most this fraction of the workload's full float32 logits: a tenth, so
+# that the real peak, estimates' error included, stays within an eighth of them.
+FULL_LOGITS_DIVISOR = 10
 
 
 class ScoringError(RuntimeError):
@@ -36,11 +41,14 @@ class ScoringError(RuntimeError):
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face causal LM inside DDP, ``torch.compile`` and PEFT wrappers."""
+    """The Hugging Face causal LM inside DDP, FSDP1, DeepSpeed, ``torch.compile`` and PEFT wrappers."""
     while True:
         if hasattr(model, "_orig_mod"):  # torch.compile
             model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ in (
+            "FullyShardedDataParallel",
+            "DeepSpeedEngine",
+        ):
             model = model.module
         elif hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
             model = model.get_base_model()
@@ -62,12 +70,17 @@ class ScorePath:
 class Scorer:
     """Scores every sentence of a cache with one model; reusable across evaluations.
 
+    Under ``torch.distributed`` every process must call ``score``: each scores a token-balanced
+    share of the batches and all get every sentence's score (see ``distributed``). A model
+    sharded by FSDP or DeepSpeed ZeRO-3 is scored through its own forward, in lockstep.
+
     Args:
         model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, ``torch.compile``
             or PEFT.
         cache: the pre-tokenized sentences, on the model's device.
         memory_budget: bytes of extra memory one evaluation may use for activations and logits;
-            None sets it from free device memory (a quarter of it on a GPU, 512 MiB on a CPU).
+            None sets it from free device memory (a quarter of it on a GPU, 512 MiB on a CPU),
+            and never above a tenth of the float32 logits of all the cached tokens.
         row_length: tokens per packed row.
         path: force a ``ScorePath`` (or "packed"/"padded"); None checks the fast path once and
             falls back where it disagrees with a plain forward.
@@ -87,14 +100,21 @@ class Scorer:
     ):
         self.model = model
         self.lm = unwrap_model(model)
+        # A sharded model (FSDP, ZeRO-3) must run its own forward, on every process alike; any
+        # other runs unwrapped, since a DDP wrapper's forward may broadcast buffers (a collective).
+        self.sharded = distributed.is_sharded(model)
+        # Accelerate wraps a mixed-precision model's forward in autocast; scoring runs the weights'
+        # own dtype (fp32 master weights stay exact), and the body and head below do too.
+        self._forward = model if self.sharded else getattr(self.lm, "_original_forward", self.lm)
         self.cache = cache
         self.row_length = row_length
-        self.memory_budget = memory_budget or default_memory_budget(cache.device)
-        self._check_model(truncate)
+        self._check_model(truncate)  # first: a meta model's cache cannot even be measured
+        self.memory_budget = memory_budget or default_memory_budget(cache.device, sum(self.cache.lengths) * self._vocab_size() * 4)
         self._layouts: dict[tuple, Layout] = {}
         if isinstance(path, str):
             path = ScorePath(layout=path, head="chunked" if self._head_weight() is not None else "logits")
         self.path = path
+        self._path_checked = path is not None
         self.oom_retries = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -103,27 +123,39 @@ class Scorer:
     def score(self) -> torch.Tensor:
         """Log-probability of every cached sentence (float64, on the CPU), in cache order.
 
-        The model is put in eval mode and back in the mode it was in. On out-of-memory the
-        memory budget is halved and the evaluation retried, down to a floor, then re-raised.
+        The model is put in eval mode and back in the mode it was in, also on Ctrl-C. On
+        out-of-memory the memory budget is halved and the evaluation retried, down to a floor
+        (``MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller budget.
+        Sentences that come out NaN or inf are scored again on rows of their own, so that one
+        diverged sentence does not spread to the others of its packed row.
         """
         was_training = self.model.training
         self.model.eval()
         try:
-            if self.path is None:
-                self.path = self._choose_path()
-            while True:
-                try:
-                    return self._score_all(self.path).cpu()
-                except torch.OutOfMemoryError:
-                    if self.memory_budget // 2 < MIN_MEMORY_BUDGET:
-                        raise
-                    self.memory_budget //= 2
-                    self.oom_retries += 1
-                    self._layouts.clear()
-                    _empty_device_cache(self.cache.device)
-                    logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", self.memory_budget >> 20)
+            with distributed.shared_failures():
+                return self._score_with_retries()
         finally:
             self.model.train(was_training)
+
+    def _score_with_retries(self) -> torch.Tensor:
+        # Every process must build the same layout, so all use the smallest budget.
+        self.memory_budget = distributed.smallest(self.memory_budget)
+        while True:
+            try:
+                if not self._path_checked:  # its sample is laid out within the budget too
+                    self.path = self._choose_path()
+                return self._score_all(self.path).cpu()
+            except torch.OutOfMemoryError as error:
+                distributed.retry_together(error)
+                if self.memory_budget // 2 < MIN_MEMORY_BUDGET:
+                    raise
+            # Past the except block, the failed attempt's traceback and the tensors its frames
+            # held are gone, so emptying the device cache below really frees them.
+            self.memory_budget //= 2
+            self.oom_retries += 1
+            self._layouts.clear()
+            _empty_device_cache(self.cache.device)
+            logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", self.memory_budget >> 20)
 
     def layout(self, kind: str | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen path's), built once per budget."""
@@ -143,14 +175,21 @@ class Scorer:
         element = torch.finfo(self._dtype()).bits // 8
         # Live activations of one layer, plus the attention scores of a row, per position.
         per_position = element * (6 * hidden + 3 * intermediate) + 4 * heads * self.row_length
+        if self.sharded or (self.path is not None and self.path.head == "logits"):
+            # The model's own logits for every position, then the scored ones in float32.
+            per_position += self._vocab_size() * (2 * element + 8)
         return max(self.row_length, self.memory_budget // per_position)
 
     @property
     def head_chunk(self) -> int:
-        """Scored tokens per chunk of the LM head: logits and log-softmax in float32 fit the budget."""
+        """Scored tokens per chunk of the LM head: its logits, their float32 copy and log-softmax fit the budget."""
         vocab = self._vocab_size()
-        budget = self.memory_budget if self.cache.device.type != "cpu" else min(self.memory_budget, CPU_HEAD_CHUNK_BYTES * 3)
-        return max(1, budget // (vocab * 4 * 3))
+        element = torch.finfo(self._dtype()).bits // 8
+        # F.linear's logits, a float32 copy unless they are float32 already, cross-entropy's log-softmax.
+        rows = self.memory_budget // (vocab * (element + (4 if element != 4 else 0) + 4))
+        if self.cache.device.type == "cpu":
+            rows = min(rows, CPU_HEAD_CHUNK_BYTES // (vocab * 4))
+        return max(1, rows)
 
     # -- the computation ------------------------------------------------------------------------
 
@@ -162,9 +201,28 @@ class Scorer:
             layout = self.layout(path.layout)
         else:
             layout = build_layout(self.cache, path.layout, self.row_length, self.tokens_per_batch, sentences)
-        for batch in layout.batches:
+        # Across processes the batches are dealt out (the path check's sample runs everywhere);
+        # a repeated batch (keep=False) only keeps a sharded model's forward calls in step.
+        split = sentences is None
+        for batch, keep in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
             token_logprobs = self._batch_logprobs(batch, path.head)
-            totals.index_add_(0, batch.score_sentences, token_logprobs.to(sums_dtype))
+            if keep:
+                totals.index_add_(0, batch.score_sentences, token_logprobs.to(sums_dtype))
+        totals = distributed.sum_over_processes(totals) if split else totals
+        if path.layout == "packed":
+            totals = self._rescore_non_finite(totals, path.head)
+        return totals
+
+    def _rescore_non_finite(self, totals: torch.Tensor, head: str) -> torch.Tensor:
+        """Score again, one sentence a row, the sentences that came out NaN or inf.
+
+        A NaN in one sentence of a packed row spreads to the row's other sentences (masked
+        attention weights are zero, but zero times NaN is NaN), so only a row of its own tells
+        which sentences are really non-finite.
+        """
+        bad = (~torch.isfinite(totals)).nonzero().flatten().tolist()
+        if bad:
+            totals[bad] = self._score_all(ScorePath("padded", head), bad)[bad].to(totals.dtype)
         return totals
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
@@ -175,7 +233,7 @@ class Scorer:
             use_cache=False,
         )
         if head == "logits":
-            logits = self.model(**inputs).logits
+            logits = self._forward(**inputs).logits
             flat = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.score_positions)
             return -F.cross_entropy(flat.float(), batch.score_targets, reduction="none")
         hidden = self.lm.base_model(**inputs).last_hidden_state
@@ -192,8 +250,8 @@ class Scorer:
         head = self.lm.get_output_embeddings()
         logits = F.linear(hidden, head.weight, getattr(head, "bias", None)).float()
         cap = getattr(self.lm.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+        if cap:  # in place: ``logits`` is a fresh tensor
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return -F.cross_entropy(logits, targets, reduction="none")
 
     # -- choosing the path ----------------------------------------------------------------------
@@ -203,12 +261,19 @@ class Scorer:
         sample = _sample_sentences(self.cache)
         reference = self._reference_logprobs(sample)
         heads = ["chunked", "logits"] if self._head_weight() is not None else ["logits"]
+        if not torch.isfinite(reference).any():
+            # A diverged model leaves nothing to compare: use the fastest path for now and check
+            # again at the next evaluation, rather than keep a choice that was never tested.
+            logger.warning("tatblimp: the model's log-probs are not finite; scoring path unchecked until they are")
+            return ScorePath("packed", heads[0])
         for layout in ("packed", "padded"):
             for head in heads:
                 path = ScorePath(layout, head)
                 scores = self._score_all(path, sample)[sample]
-                if _agree(scores, reference, [self.cache.lengths[s] for s in sample], self._dtype()):
+                agreed = _agree(scores, reference, [self.cache.lengths[s] for s in sample], self._dtype())
+                if distributed.all_agree(agreed):  # every process takes the same path
                     logger.info("tatblimp: scoring with %s", path)
+                    self._path_checked = True
                     return path
                 logger.warning("tatblimp: %s disagrees with a plain forward for this model", path)
         raise ScoringError("no scoring path matches a plain forward of this model; its logits may be non-deterministic")
@@ -218,7 +283,7 @@ class Scorer:
         results = []
         for s in sentences:
             ids = self.cache.token_ids[self.cache.offsets[s] : self.cache.offsets[s + 1]].unsqueeze(0)
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            logits = self._forward(input_ids=ids, use_cache=False).logits[0, :-1].float()
             results.append(logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).sum().double())
         return torch.stack(results).to(self.cache.device)
 
@@ -226,8 +291,8 @@ class Scorer:
 
     def _head_weight(self) -> torch.Tensor | None:
         head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
-        if head is None or not hasattr(head, "weight") or self.lm.base_model is self.lm:
-            return None
+        if head is None or not hasattr(head, "weight") or self.lm.base_model is self.lm or self.sharded:
+            return None  # a sharded head's weight is a shard: only the model's own forward can use it
         return head.weight
 
     def _vocab_size(self) -> int:
@@ -240,7 +305,9 @@ class Scorer:
     def _check_model(self, truncate: bool) -> None:
         if any(p.is_meta for p in self.lm.parameters()):
             raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
-        embeddings = self.lm.get_input_embeddings().weight.shape[0]
+        embedding = self.lm.get_input_embeddings()
+        # A sharded weight's local shape is a shard's (ZeRO-3, FSDP1); num_embeddings is the real count.
+        embeddings = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
         largest = int(self.cache.token_ids.max())
         if largest >= embeddings:
             raise ScoringError(
@@ -261,11 +328,20 @@ class Scorer:
         self.row_length = max(min(self.row_length, context or self.row_length), max(self.cache.lengths))
 
 
-def default_memory_budget(device: torch.device) -> int:
+def default_memory_budget(device: torch.device, full_logits_bytes: int | None = None) -> int:
+    """Bytes one evaluation may use: a quarter of free GPU memory, else ``CPU_MEMORY_BUDGET``.
+
+    Scoring runs beside training, so it never asks for more than a tenth of what the full float32
+    logits of the workload (``full_logits_bytes``) would take, nor less than ``MIN_MEMORY_BUDGET``.
+    """
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return max(MIN_MEMORY_BUDGET, free // 4)
-    return CPU_MEMORY_BUDGET
+        budget = free // 4
+    else:
+        budget = CPU_MEMORY_BUDGET
+    if full_logits_bytes:
+        budget = min(budget, full_logits_bytes // FULL_LOGITS_DIVISOR)
+    return max(MIN_MEMORY_BUDGET, budget)
 
 
 def _empty_device_cache(device: torch.device) -> None:
@@ -283,8 +359,8 @@ def _sample_sentences(cache: SentenceCache, count: int = 12) -> list[int]:
 def _agree(scores: torch.Tensor, reference: torch.Tensor, lengths: list[int], dtype: torch.dtype) -> bool:
     """Within rounding of the reference: 1e-4 nats a token in float32, 2e-2 in half precision."""
     finite = torch.isfinite(reference)
-    if not finite.any():  # a diverged model: nothing to compare against
-        return True
+    if not torch.equal(torch.isfinite(scores), finite):
+        return False
     per_token = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
     tokens = torch.tensor(lengths, dtype=torch.float64, device=reference.device)
     close = (scores - reference).abs() <= per_token * tokens + 1e-4

@@ -8,9 +8,12 @@ tokens that a tokenizer inserts by itself are stripped first, so there is never 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class TokenizationError(ValueError):
@@ -111,3 +114,64 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         digest.update(repr(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(repr((tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
     return digest.hexdigest()[:16]
+
+
+# -- faithful tokenization: raw SentencePiece vs a converted Hugging Face tokenizer ----------------
+
+SENTENCEPIECE_FILE = "tokenizer.model"
+
+
+def compare_tokenizations(a: Any, b: Any, sentences: Sequence[str]) -> int:
+    """How many ``sentences`` the two tokenizers turn into different ids (special tokens stripped).
+
+    Use it to check that a converted Hugging Face tokenizer gives the ids a model was trained on,
+    e.g. ``compare_tokenizations(SentencePieceTokenizer("tokenizer.model"), hf_tokenizer, sentences)``.
+    """
+    first = _strip_special(a, _encode_without_special_tokens(a, sentences))
+    second = _strip_special(b, _encode_without_special_tokens(b, sentences))
+    return sum(list(x) != list(y) for x, y in zip(first, second))
+
+
+def _strip_special(tokenizer: Any, encoded: Sequence[Sequence[int]]) -> list[list[int]]:
+    special = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
+    stripped = []
+    for ids in encoded:
+        ids = list(ids)
+        if ids and ids[0] in special:
+            ids = ids[1:]
+        if ids and ids[-1] in special:
+            ids = ids[:-1]
+        stripped.append(ids)
+    return stripped
+
+
+def check_sentencepiece_mismatch(folder: str | os.PathLike, tokenizer: Any, sentences: Sequence[str]) -> int | None:
+    """Warn when ``folder`` holds a raw ``tokenizer.model`` whose ids differ from ``tokenizer``'s.
+
+    transformers converts a SentencePiece model to a "fast" tokenizer whose ids can differ from
+    raw sentencepiece; a model trained on raw ids then gets a wrong, lower score. Returns the
+    number of sentences encoded differently, or None when there is nothing to compare (no
+    ``tokenizer.model`` in the folder, or ``tokenizer`` is itself a raw SentencePiece model).
+    """
+    model_file = Path(folder) / SENTENCEPIECE_FILE
+    if isinstance(tokenizer, SentencePieceTokenizer) or not model_file.is_file():
+        return None
+    try:
+        raw = SentencePieceTokenizer(model_file)
+    except Exception as err:  # not a SentencePiece model after all: nothing to compare, but say so
+        logger.warning("tatblimp: %s is not a readable SentencePiece model (%s); tokenizations not compared", model_file, err)
+        return None
+    differing = compare_tokenizations(raw, tokenizer, sentences)
+    if differing:
+        logger.warning(
+            "tatblimp: WARNING: the tokenizer %s gives different token ids from the raw SentencePiece model %s "
+            "on %d of %d benchmark sentences. If the model was trained on raw sentencepiece ids, score it with "
+            "--tokenizer %s (Python: SentencePieceTokenizer(%r)).",
+            tokenizer_name(tokenizer),
+            model_file,
+            differing,
+            len(sentences),
+            model_file,
+            str(model_file),
+        )
+    return differing

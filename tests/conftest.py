@@ -15,6 +15,9 @@ DATA = SHARED / "tatblimp" / "test.jsonl"
 CORPUS = SHARED / "tatar-corpus" / "train.txt"
 SPM_MODEL = SHARED / "tokenizers" / "kypchak_unigram_48k.model"
 
+# The test models are tiny: one thread is as fast, and two threads on a busy 2-core machine are many times slower.
+torch.set_num_threads(1)
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,6 +78,23 @@ def bpe_tokenizer():
 @pytest.fixture(scope="session")
 def eos_only_tokenizer():
     return train_bpe(bos=False)
+
+
+# A minimal chat template: "A" and "B" after the generation prompt's newline are single byte-level tokens.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(bpe_tokenizer):
+    """A copy of ``bpe_tokenizer`` with ``CHAT_TEMPLATE``, for the forced-choice protocol."""
+    import copy
+
+    tokenizer = copy.deepcopy(bpe_tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, **overrides):

@@ -1,0 +1,139 @@
+"""A tokenizer ablation on a CPU: the same tiny Llama trained with SentencePiece vocabularies of different sizes.
+
+    python examples/tokenizer_ablation.py --corpus ../shared/tatar-corpus/train.txt \\
+        --data ../shared/tatblimp/test.jsonl --vocab-sizes 1000,4000,8000 --steps 300
+
+For each vocabulary size it trains a SentencePiece unigram model on the corpus, a tiny Llama on
+the raw sentencepiece ids with the Hugging Face Trainer (saving a checkpoint every --save-steps),
+then scores every checkpoint with ``tatblimp sweep``'s Python API, passing the ``.model`` file so
+the benchmark is scored with exactly the ids the model was trained on. It ends with the compare
+table (printed, and as Markdown) and a plot of the acc_norm curves of all runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from tatblimp_callback import SentencePieceTokenizer
+from tatblimp_callback.compare import format_markdown, format_text, load_runs, plot_comparison
+from tatblimp_callback.sweep import SweepOptions, sweep
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", default="../shared/tatar-corpus/train.txt", help="one Tatar sentence a line")
+    parser.add_argument("--data", default=os.environ.get("TATBLIMP_DATA"), help="TatBLiMP test.jsonl")
+    parser.add_argument("--output-dir", default="runs/tokenizer-ablation")
+    parser.add_argument("--vocab-sizes", default="1000,4000,8000", help="comma-separated vocabulary sizes")
+    parser.add_argument("--lines", type=int, default=0, help="use only the first N corpus lines (0: all)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per model")
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (default: steps / 5)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def train_sentencepiece(lines: list[str], vocab_size: int, prefix: Path) -> Path:
+    """A unigram model with <unk>=0, <s>=1 (the prefix TatBLiMP scores from), </s>=2."""
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,  # a small corpus cannot fill a large vocabulary: take what it gives
+        minloglevel=2,
+    )
+    return prefix.with_suffix(".model")
+
+
+def training_blocks(lines: list[str], tokenizer: SentencePieceTokenizer, block_size: int) -> list[dict]:
+    """Each sentence as <s> ids </s>, concatenated and cut into blocks of raw sentencepiece ids."""
+    stream = []
+    for ids in tokenizer.encode_batch(lines):
+        stream += [tokenizer.bos_token_id, *ids, tokenizer.eos_token_id]
+    blocks = [torch.tensor(stream[i : i + block_size]) for i in range(0, len(stream) - block_size + 1, block_size)]
+    return [{"input_ids": block, "labels": block} for block in blocks]
+
+
+def train_run(lines: list[str], vocab_size: int, args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
+    run_dir = out / f"vocab-{vocab_size}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_file = train_sentencepiece(lines, vocab_size, run_dir / "spm")
+    tokenizer = SentencePieceTokenizer(model_file)
+    dataset = training_blocks(lines, tokenizer, args.block_size)
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,  # benchmark sentences are longer than a block with a small vocabulary
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    training = TrainingArguments(
+        output_dir=str(run_dir),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=3e-3,
+        warmup_steps=max(1, args.steps // 20),
+        lr_scheduler_type="cosine",
+        save_strategy="steps",
+        save_steps=args.save_steps or max(1, args.steps // 5),
+        save_only_model=True,
+        logging_steps=max(1, args.steps // 10),
+        report_to=[],
+        use_cpu=True,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    start = time.perf_counter()
+    Trainer(model=LlamaForCausalLM(config), args=training, train_dataset=dataset).train()
+    print(f"vocab {vocab_size} ({len(tokenizer)} pieces): {len(dataset)} blocks, trained {args.steps} steps in {time.perf_counter() - start:.0f} s")
+    return run_dir, model_file
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output_dir)
+    lines = [line.strip() for line in Path(args.corpus).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if args.lines:
+        lines = lines[: args.lines]
+    results = []
+    for vocab_size in (int(v) for v in args.vocab_sizes.split(",")):
+        run_dir, model_file = train_run(lines, vocab_size, args, out)
+        # Score with the raw .model file: the ids the model was trained on.
+        report = sweep(run_dir, SweepOptions(data=args.data, tokenizer=str(model_file), device="cpu"))
+        print(f"vocab {vocab_size}: {len(report.scored)} checkpoints scored into {report.results_path}")
+        results.append(report.results_path)
+
+    runs = load_runs(results)
+    print()
+    print(format_text(runs))
+    (out / "ablation.md").write_text(format_markdown(runs), encoding="utf-8")
+    plot_comparison(runs, out / "ablation.png")
+    print(f"\nwrote {out / 'ablation.md'} and {out / 'ablation.png'}")
+
+
+if __name__ == "__main__":
+    main()

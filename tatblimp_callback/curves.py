@@ -1,0 +1,143 @@
+"""Curves over training steps: when each phenomenon is acquired, and plots of the curves.
+
+A history is a list of dicts, one per evaluation, each with ``step`` and flat metric keys such as
+``tatblimp/acc_norm`` and ``tatblimp/<phenomenon>/acc_norm`` (``TatBLiMPCallback.history``; a
+sweep's JSONL records become one with ``history_from_records``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+DEFAULT_THRESHOLD = 0.75
+
+
+def acquisition_step(points: Iterable[tuple[int, float]], threshold: float = DEFAULT_THRESHOLD) -> int | None:
+    """The first step from which the value is at least ``threshold`` at every later evaluation.
+
+    ``points`` are (step, value) pairs in any order; they are sorted by step. A NaN value counts
+    as below the threshold. None when the last evaluation is below the threshold or there are no
+    points: a phenomenon that dips below again after crossing is not acquired until it recovers
+    for good.
+    """
+    acquired = None
+    for step, value in sorted(points, key=lambda point: point[0]):
+        if value is not None and not math.isnan(value) and value >= threshold:
+            if acquired is None:
+                acquired = step
+        else:
+            acquired = None
+    return acquired
+
+
+def phenomena_in(history: Sequence[Mapping[str, Any]], metric: str = "acc_norm", prefix: str = "tatblimp") -> list[str]:
+    """Phenomenon names with a ``{prefix}/<name>/{metric}`` key in the history, in first-seen order."""
+    names: dict[str, None] = {}
+    start, end = f"{prefix}/", f"/{metric}"
+    for entry in history:
+        for key in entry:
+            if key.startswith(start) and key.endswith(end):
+                name = key[len(start) : -len(end)]
+                if name and "/" not in name:
+                    names.setdefault(name, None)
+    return list(names)
+
+
+def acquisition_steps(
+    history: Sequence[Mapping[str, Any]],
+    threshold: float = DEFAULT_THRESHOLD,
+    metric: str = "acc_norm",
+    prefix: str = "tatblimp",
+) -> dict[str, int | None]:
+    """``acquisition_step`` of every phenomenon's ``{prefix}/<phenomenon>/{metric}`` curve."""
+    return {
+        name: acquisition_step(
+            [(entry["step"], entry[f"{prefix}/{name}/{metric}"]) for entry in history if f"{prefix}/{name}/{metric}" in entry],
+            threshold,
+        )
+        for name in phenomena_in(history, metric, prefix)
+    }
+
+
+def flat_record(record: Mapping[str, Any], prefix: str = "tatblimp") -> dict[str, Any]:
+    """A history entry from one ``score --output`` / sweep record: ``step`` and the flat metrics."""
+    flat: dict[str, Any] = {"step": record.get("step")}
+    for key in ("acc", "acc_norm", "bits_per_byte_good", "tokens_per_byte"):
+        if key in record:
+            flat[f"{prefix}/{key}"] = record[key]
+    for name, group in record.get("phenomena", {}).items():
+        flat[f"{prefix}/{name}/acc"] = group["acc"]
+        flat[f"{prefix}/{name}/acc_norm"] = group["acc_norm"]
+    return flat
+
+
+def history_from_records(records: Sequence[Mapping[str, Any]], prefix: str = "tatblimp") -> list[dict[str, Any]]:
+    """A history (sorted by step) from sweep records."""
+    return sorted((flat_record(r, prefix) for r in records), key=lambda entry: entry["step"])
+
+
+def plot_curves(
+    history: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike,
+    metric: str = "acc_norm",
+    title: str | None = None,
+    threshold: float | None = DEFAULT_THRESHOLD,
+    prefix: str = "tatblimp",
+) -> None:
+    """Draw one run's curves over steps to an image: overall ``metric``, then one panel per phenomenon."""
+    plot_runs({title or "run": history}, path, metric=metric, title=title, threshold=threshold, prefix=prefix)
+
+
+def plot_runs(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    path: str | os.PathLike,
+    metric: str = "acc_norm",
+    title: str | None = None,
+    threshold: float | None = DEFAULT_THRESHOLD,
+    prefix: str = "tatblimp",
+) -> None:
+    """Draw several runs' curves over steps (one line per run) to an image file (PNG, SVG, PDF, ...).
+
+    The first panel is the overall ``{prefix}/{metric}``; then one panel per phenomenon. A dashed
+    line marks ``threshold`` (None: no line). Needs matplotlib (``pip install tatblimp-callback[plot]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("plotting needs matplotlib: pip install 'tatblimp-callback[plot]'") from err
+
+    if not runs or not any(runs.values()):
+        raise ValueError("nothing to plot: every history is empty")
+    phenomena: dict[str, None] = {}
+    for history in runs.values():
+        phenomena.update(dict.fromkeys(phenomena_in(history, metric, prefix)))
+    panels = [("overall", f"{prefix}/{metric}")] + [(name, f"{prefix}/{name}/{metric}") for name in phenomena]
+    columns = min(4, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.4 * rows), squeeze=False)
+    for axis, (name, key) in zip(axes.flat, panels):
+        for label, history in runs.items():
+            points = sorted((entry["step"], entry[key]) for entry in history if key in entry)
+            if points:
+                steps, values = zip(*points)
+                axis.plot(steps, values, marker="o", markersize=2.5, linewidth=1.2, label=label)
+        if threshold is not None:
+            axis.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
+        axis.axhline(0.5, color="lightgrey", linestyle=":", linewidth=0.8)
+        axis.set_ylim(-0.02, 1.02)
+        axis.set_title(name, fontsize=8, fontweight="bold" if name == "overall" else "normal")
+        axis.tick_params(labelsize=7)
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.axis("off")
+    figure.supxlabel("step", fontsize=8)
+    if len(runs) > 1:
+        axes.flat[0].legend(fontsize=6)
+    figure.suptitle(title or f"TatBLiMP {metric}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(os.fspath(path), dpi=110)
+    plt.close(figure)

@@ -1,0 +1,239 @@
+"""One process of a two-process (gloo) run for ``test_distributed.py``, started by torchrun.
+
+    python -m torch.distributed.run --nproc_per_node 2 distributed_worker.py SCENARIO WORKDIR
+
+WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test; each rank writes
+``SCENARIO-rank{r}.pt`` there. Scenarios:
+
+- ``scorer``: the sharded scorer against a one-process score made before the process group
+  exists; failures injected on one rank (inside scoring, before scoring, out of memory); FSDP2.
+- ``trainer``: an HF Trainer under DDP with ``TatBLiMPCallback``; the evaluation at step 4 fails
+  on rank 1 only. Afterwards rank 0 scores the saved weights of every evaluation on one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_llama  # noqa: E402
+from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+
+from tatblimp_callback import Evaluator, Scorer, ScorePath, TatBLiMPCallback, build_cache, scoring  # noqa: E402
+from tatblimp_callback import distributed as tdist  # noqa: E402
+
+BUDGET = 2**20  # small, so that the 96 sentences make several batches
+ROW = 160  # 13 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank
+FAIL_STEP = 4
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def fail_on(rank: int, call: int, error=Injected):
+    """Patch the batch scorer to raise ``error`` on ``rank`` at its ``call``-th batch, once."""
+    original = Scorer._batch_logprobs
+    calls = [0]
+
+    def patched(self, *args, **kwargs):
+        calls[0] += 1
+        if tdist.world()[0] == rank and calls[0] == call:
+            raise error(f"injected failure on rank {rank}")
+        return original(self, *args, **kwargs)
+
+    Scorer._batch_logprobs = patched
+    return lambda: setattr(Scorer, "_batch_logprobs", original)
+
+
+def outcome(function):
+    """``function()``'s result, or the name and message of what it raised."""
+    try:
+        return function()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def count_forwards(model):
+    """A counter of forward calls of the model's body (both heads of the scorer run it)."""
+    counter = [0]
+    model.model.register_forward_pre_hook(lambda module, args: counter.__setitem__(0, counter[0] + 1))
+    return counter
+
+
+class FakeBatch:
+    def __init__(self, name: str, num_positions: int):
+        self.name, self.num_positions = name, num_positions
+
+
+def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
+    model = tiny_llama(len(tokenizer))
+    out = {"one_process": Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()}
+    # What FSDP will use: the model's own logits (same budget, so the same batches).
+    out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, path=ScorePath("packed", "logits")).score()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+
+    scorer = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)
+    out["sharded"] = scorer.score()
+    out["path"] = str(scorer.path)
+    forwards = count_forwards(model)
+    out["sharded_again"] = scorer.score()
+    out["forwards"] = forwards[0]
+    out["batch_sizes"] = [b.num_positions for b in scorer.layout().batches]
+
+    batches = [FakeBatch("a", 30), FakeBatch("b", 20), FakeBatch("c", 10)]
+    out["lockstep"] = [(b.name, keep) for b, keep in tdist.shard(batches, lockstep=True)]
+    out["no_lockstep"] = [(b.name, keep) for b, keep in tdist.shard(batches)]
+
+    restore = fail_on(rank=1, call=2)
+    out["failure_inside"] = outcome(scorer.score)
+    restore()
+    out["after_failure"] = scorer.score()
+
+    evaluator = Evaluator(cache=cache, memory_budget=BUDGET)
+    prepare = evaluator.prepare
+
+    def failing_prepare(m):
+        if dist.get_rank() == 1:
+            raise Injected("prepare failed on rank 1")
+        return prepare(m)
+
+    evaluator.prepare = failing_prepare
+    out["failure_before"] = outcome(lambda: evaluator(model))
+    evaluator.prepare = prepare
+    out["evaluator_after_failure"] = [p.good_logprob for p in evaluator(model).pairs]
+
+    scoring.MIN_MEMORY_BUDGET = BUDGET // 4  # let the retry go below the library's floor
+    restore = fail_on(rank=0, call=3, error=torch.OutOfMemoryError)
+    oom_scorer = Scorer(model, cache, row_length=ROW, memory_budget=2 * BUDGET, path=scorer.path)
+    out["after_oom"] = oom_scorer.score()
+    out["oom_retries"] = oom_scorer.oom_retries
+    out["oom_budget"] = oom_scorer.memory_budget
+    restore()
+
+    if dist.get_rank() == 0:  # scored by rank 0 alone while rank 1 waits at the barrier
+        with tdist.this_process_only():
+            out["alone"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()
+    dist.barrier()
+
+    out["fsdp"] = outcome(lambda: fsdp_scores(model, cache, out))
+    return out
+
+
+def fsdp_scores(model, cache, out: dict) -> torch.Tensor:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    scorer = Scorer(sharded, cache, row_length=ROW, memory_budget=BUDGET)
+    forwards = count_forwards(sharded)
+    scores = scorer.score()
+    out["fsdp_path"] = str(scorer.path)
+    out["fsdp_forwards"] = forwards[0]
+    out["fsdp_batches"] = len(scorer.layout().batches)
+    out["fsdp_batch_sizes"] = [b.num_positions for b in scorer.layout().batches]
+    return scores
+
+
+class Recorder(TrainerCallback):
+    """Records every score by step and saves the weights it was made with (rank 0); counts tatblimp
+    logs reaching other reporters; makes the evaluation at ``FAIL_STEP`` fail on rank 1.
+
+    Added before ``TatBLiMPCallback``, so each of its events runs just before the callback's.
+    """
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.step = 0
+        self.scores: dict[int, torch.Tensor] = {}
+        self.logged: list[int] = []
+        self.restore = None
+        original = Scorer.score
+
+        def recording_score(scorer):
+            self.scores[self.step] = original(scorer)
+            return self.scores[self.step]
+
+        Scorer.score = recording_score
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.save(state, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.restore:
+            self.restore = self.restore()
+        self.save(state, model)
+        if state.global_step == FAIL_STEP:
+            self.restore = fail_on(rank=1, call=1)
+
+    def save(self, state, model):
+        self.step = state.global_step
+        if state.is_world_process_zero and state.global_step % 2 == 0:
+            torch.save(model.state_dict(), self.workdir / f"weights-{state.global_step}.pt")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if any(key.startswith("tatblimp/") for key in logs or {}):
+            self.logged.append(state.global_step)
+
+
+def trainer_scenario(workdir: Path, tokenizer, cache) -> dict:
+    from trainer_utils import make_trainer
+
+    recorder = Recorder(workdir)
+    callback = TatBLiMPCallback(eval_steps=2, data=workdir / "small.jsonl", allow_modified=True, memory_budget=BUDGET)
+    trainer = make_trainer(
+        tiny_llama(len(tokenizer)),
+        tokenizer,
+        workdir / f"trainer-{os.environ['RANK']}",
+        [recorder, callback],
+        max_steps=6,
+        per_device_train_batch_size=2,
+        ddp_backend="gloo",
+        ddp_timeout=60,
+    )
+    trainer.train()
+    out = {
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "global_step": trainer.state.global_step,
+        "failures": callback.failures,
+        "history": callback.history,
+        "log_history": [e for e in trainer.state.log_history if any(k.startswith("tatblimp/") for k in e)],
+        "logged": recorder.logged,
+        "scores": recorder.scores,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:  # the same weights, scored by one process
+        out["one_process"] = {}
+        for step in recorder.scores:
+            model = tiny_llama(len(tokenizer))
+            model.load_state_dict(torch.load(workdir / f"weights-{step}.pt"))
+            out["one_process"][step] = Scorer(model, cache, memory_budget=BUDGET).score()
+    return out
+
+
+def main() -> None:
+    scenario, workdir = sys.argv[1], Path(sys.argv[2])
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(workdir / "tokenizer")
+    cache = build_cache(tokenizer, workdir / "small.jsonl", allow_modified=True)
+    run = {"scorer": scorer_scenario, "trainer": trainer_scenario}[scenario]
+    out = run(workdir, tokenizer, cache)
+    torch.save(out, workdir / f"{scenario}-rank{os.environ['RANK']}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Two processes (torchrun, gloo, CPU): sharded scoring equals one process, failures end on both, no hang.
+
+The heavy lifting is in ``distributed_worker.py``; each scenario is one torchrun launch with a
+timeout, and these tests check what the two ranks wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tatblimp_callback.distributed import assign, shard
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+LAUNCH_TIMEOUT = 300  # seconds; a hang fails the test instead of the suite
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, bpe_tokenizer, small_data) -> Path:
+    path = tmp_path_factory.mktemp("distributed")
+    bpe_tokenizer.save_pretrained(path / "tokenizer")
+    shutil.copy(small_data, path / "small.jsonl")
+    return path
+
+
+def launch(scenario: str, workdir: Path) -> tuple[list[dict], str]:
+    """Run ``scenario`` on two processes; each rank's output and the launch's combined log."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        done = subprocess.run(
+            [*command, str(WORKER), scenario, str(workdir)],
+            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=workdir,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        pytest.fail(f"{scenario}: the two processes hung for {LAUNCH_TIMEOUT} s\n{(timeout.stderr or b'')[-3000:]}")
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, f"{scenario} failed:\n{log[-5000:]}"
+    return [torch.load(workdir / f"{scenario}-rank{r}.pt", weights_only=False) for r in (0, 1)], log
+
+
+@pytest.fixture(scope="module")
+def scorer_run(workdir):
+    return launch("scorer", workdir)
+
+
+@pytest.fixture(scope="module")
+def trainer_run(workdir):
+    return launch("trainer", workdir)
+
+
+# -- the assignment, in this process -------------------------------------------------------------
+
+
+def test_assignment_balances_tokens_and_covers_every_batch_once():
+    costs = [300, 20, 300, 20, 100, 100]
+    shares = assign(costs, 2)
+    assert sorted(i for share in shares for i in share) == list(range(len(costs)))
+    assert shares == [[0, 1, 4], [2, 3, 5]]
+    assert [sum(costs[i] for i in share) for share in shares] == [420, 420]  # round robin: 700/140
+    assert shares == assign(costs, 2)  # the same on every process
+    assert all(share == sorted(share) for share in shares)
+    # Fewer batches than ranks: the extra ranks get none.
+    assert assign([5, 5], 3) == [[0], [1], []]
+
+
+def test_one_process_runs_every_batch_without_collectives():
+    batches = ["a", "b", "c"]
+    assert list(shard(batches, lockstep=True)) == [("a", True), ("b", True), ("c", True)]
+
+
+# -- the scorer on two processes -----------------------------------------------------------------
+
+
+def test_sharded_scores_equal_one_process_bitwise(scorer_run):
+    ranks, _ = scorer_run
+    for out in ranks:
+        one = out["one_process"]
+        assert one.shape == (96,) and torch.isfinite(one).all()
+        for key in ("sharded", "sharded_again", "after_failure", "after_oom"):
+            assert torch.equal(out[key], one), key
+    assert torch.equal(ranks[0]["one_process"], ranks[1]["one_process"])
+    assert torch.equal(ranks[0]["alone"], ranks[0]["one_process"])  # this_process_only: no collectives
+    assert ranks[0]["path"] == ranks[1]["path"] == "packed rows, chunked head"
+    # Every batch runs exactly once, on the rank the token-balanced assignment gives it.
+    sizes = ranks[0]["batch_sizes"]
+    assert len(sizes) == 13
+    shares = assign(sizes, 2)
+    assert [out["forwards"] for out in ranks] == [len(share) for share in shares] == [7, 6]
+
+
+def test_short_shards_repeat_a_batch_only_in_lockstep(scorer_run):
+    ranks, _ = scorer_run
+    # Batches of 30, 20 and 10 tokens: rank 0 takes the 30, rank 1 the 20 and the 10.
+    assert ranks[0]["lockstep"] == [("a", True), ("a", False)]
+    assert ranks[1]["lockstep"] == [("b", True), ("c", True)]
+    assert ranks[0]["no_lockstep"] == [("a", True)]
+
+
+def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
+    ranks, _ = scorer_run
+    # Inside scoring (rank 1's second batch) and before it (rank 1's prepare).
+    assert ranks[1]["failure_inside"] == "Injected: injected failure on rank 1"
+    assert ranks[0]["failure_inside"] == "PeerFailure: tatblimp: scoring failed on process 1; see its log"
+    assert ranks[1]["failure_before"] == "Injected: prepare failed on rank 1"
+    assert ranks[0]["failure_before"].startswith("PeerFailure")
+    # Both stayed in step: the next evaluations give the one-process numbers (checked above) ...
+    for out in ranks:
+        assert torch.equal(torch.tensor(out["evaluator_after_failure"], dtype=torch.float64), out["one_process"][0::2])
+        # ... and out of memory on rank 0 made both retry once with the same halved budget.
+        assert (out["oom_retries"], out["oom_budget"]) == (1, 2**20)
+
+
+def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run):
+    ranks, _ = scorer_run
+    for out in ranks:
+        assert isinstance(out["fsdp"], torch.Tensor), out["fsdp"]
+        assert out["fsdp_path"] == "packed rows, logits head"
+        assert torch.equal(out["fsdp"], out["one_process_logits"])
+    # 13 batches over 2 ranks: one rank repeats a batch so both run the same forward calls.
+    shares = assign(ranks[0]["fsdp_batch_sizes"], 2)
+    assert sorted(len(share) for share in shares) == [6, 7]
+    assert ranks[0]["fsdp_forwards"] == ranks[1]["fsdp_forwards"]
+
+
+# -- an HF Trainer under DDP ---------------------------------------------------------------------
+
+
+def test_trainer_under_ddp_matches_one_process_and_logs_once(trainer_run):
+    ranks, _ = trainer_run
+    assert [(out["world_size"], out["backend"]) for out in ranks] == [(2, "gloo"), (2, "gloo")]
+    one = ranks[0]["one_process"]  # rank 0 scored the saved weights alone after training
+    assert sorted(one) == [0, 2, 6]
+    for out in ranks:
+        assert sorted(out["scores"]) == [0, 2, 6]
+        for step, scores in out["scores"].items():
+            assert torch.equal(scores, one[step]), step
+    assert not torch.equal(one[0], one[6])  # training changed the weights
+    metrics = [[{k: v for k, v in e.items() if k != "tatblimp/eval_seconds"} for e in out["history"]] for out in ranks]
+    assert metrics[0] == metrics[1]  # every rank has the same results (for its failure policy)
+    # Only the main process logs: one entry per evaluation in log_history and at the reporters.
+    assert [entry["step"] for entry in ranks[0]["log_history"]] == [0, 2, 4, 6]
+    assert ranks[0]["logged"] == [0, 2, 4, 6]
+    assert ranks[1]["log_history"] == [] and ranks[1]["logged"] == []
+
+
+def test_trainer_failure_on_one_rank_is_counted_on_both_and_training_goes_on(trainer_run):
+    ranks, log = trainer_run
+    for out in ranks:
+        assert out["global_step"] == 6
+        assert out["failures"] == 1
+        assert [entry["step"] for entry in out["history"]] == [0, 2, 6]
+    assert ranks[0]["log_history"][2] == {"tatblimp/failures": 1.0, "step": 4}
+    assert ranks[0]["history"][-1]["tatblimp/failures"] == 1.0
+    assert "Injected: injected failure on rank 1" in log
+    assert "PeerFailure: tatblimp: scoring failed on process 1" in log

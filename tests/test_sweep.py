@@ -1,0 +1,199 @@
+"""``tatblimp sweep``: checkpoints found and scored in step order, resumable, watch mode, curves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+from conftest import tiny_llama
+from tatblimp_callback import evaluate
+from tatblimp_callback.cli import main
+from tatblimp_callback.compare import load_run, plot_comparison
+from tatblimp_callback.curves import plot_curves
+from tatblimp_callback.sweep import SweepError, SweepOptions, find_checkpoints, sweep
+
+STEPS = (10, 20, 30)
+
+
+
+def save_checkpoint(folder, tokenizer, seed, trainer_state=True):
+    tiny_llama(len(tokenizer), seed=seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if trainer_state:  # the Trainer writes it last, after the weights
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": seed}))
+
+
+@pytest.fixture(scope="module")
+def run_template(tmp_path_factory, bpe_tokenizer):
+    run = tmp_path_factory.mktemp("run")
+    for step in STEPS:
+        save_checkpoint(run / f"checkpoint-{step}", bpe_tokenizer, seed=step)
+    (run / "runs").mkdir()  # a TensorBoard folder: not a checkpoint
+    (run / "logs-2").mkdir()  # named with a number, but no config.json: not a checkpoint
+    return run
+
+
+@pytest.fixture
+def run_dir(run_template, tmp_path):
+    return shutil.copytree(run_template, tmp_path / "run")
+
+
+def options(small_data, **extra):
+    return SweepOptions(data=str(small_data), allow_modified=True, progress=False, **extra)
+
+
+def test_sweep_scores_in_step_order_equal_to_evaluate_and_is_resumable(run_dir, small_data, bpe_tokenizer, monkeypatch):
+    import tatblimp_callback.evaluation as evaluation
+
+    builds = []
+    original = evaluation.build_cache
+    monkeypatch.setattr(evaluation, "build_cache", lambda *a, **k: builds.append(1) or original(*a, **k))
+
+    report = sweep(run_dir, options(small_data))
+    assert report.scored == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    assert len(builds) == 1  # one tokenizer (identical files in every checkpoint): tokenized once
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(STEPS)
+    assert [line["checkpoint"] for line in lines] == [f"checkpoint-{s}" for s in STEPS]
+    for line, step in zip(lines, STEPS):
+        expected = evaluate(tiny_llama(len(bpe_tokenizer), seed=step), bpe_tokenizer, small_data, allow_modified=True).to_dict()
+        for key in ("acc", "acc_norm", "bits_per_byte_good", "tokens_per_byte", "tokens", "bytes", "n"):
+            assert line[key] == pytest.approx(expected[key], abs=1e-9), (step, key)
+        assert {k: v["acc_norm"] for k, v in line["phenomena"].items()} == pytest.approx(
+            {k: v["acc_norm"] for k, v in expected["phenomena"].items()}
+        )
+        assert "pairs" not in line and line["n"] == 48
+    assert len({line["bits_per_byte_good"] for line in lines}) == 3  # three different models
+    assert set(report.acquisition) == set(lines[0]["phenomena"])
+
+    again = sweep(run_dir, options(small_data))
+    assert again.scored == [] and again.skipped == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    assert len((run_dir / "tatblimp.jsonl").read_text().splitlines()) == 3
+    assert [r["step"] for r in again.records] == list(STEPS)
+
+
+def test_cli_sweep_adds_only_new_checkpoints_with_pairs(run_dir, small_data, bpe_tokenizer, capsys):
+    sweep(run_dir, options(small_data))
+    # Saved without trainer_state.json: scored once its files stay unchanged for an interval.
+    save_checkpoint(run_dir / "step_40", bpe_tokenizer, seed=40, trainer_state=False)
+    code = main(["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--interval", "0.2", "--include-pairs", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "1 checkpoint(s) scored, 3 already in" in out
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [10, 20, 30, 40]
+    assert len(lines[3]["pairs"]) == 48 and "pairs" not in lines[0]
+
+
+def test_find_checkpoints_names_and_errors(run_dir, bpe_tokenizer):
+    assert [(c.step, c.name) for c in find_checkpoints(run_dir)] == [(10, "checkpoint-10"), (20, "checkpoint-20"), (30, "checkpoint-30")]
+    save_checkpoint(run_dir / "ckpt_020", bpe_tokenizer, seed=1)
+    with pytest.raises(SweepError, match="checkpoint-20 and ckpt_020 both claim step 20|ckpt_020 and checkpoint-20 both claim step 20"):
+        find_checkpoints(run_dir)
+    with pytest.raises(SweepError, match="not a folder"):
+        find_checkpoints(run_dir / "missing")
+
+
+def test_bad_results_line_is_named(run_dir, small_data):
+    (run_dir / "tatblimp.jsonl").write_text('{"step": 10, "checkpoint": "checkpoint-10", "acc": 1}\n{"step": 2\n')
+    with pytest.raises(SweepError, match=r"tatblimp.jsonl:2: not a JSON line"):
+        sweep(run_dir, options(small_data))
+
+
+def test_watch_never_reads_a_checkpoint_being_written(run_dir, small_data, bpe_tokenizer, tmp_path):
+    sweep(run_dir, options(small_data))
+    source = tmp_path / "source"
+    save_checkpoint(source, bpe_tokenizer, seed=60, trainer_state=False)
+    weights = (source / "model.safetensors").read_bytes()
+    stop = threading.Event()
+
+    def write_forever():  # a checkpoint whose weights file keeps growing with garbage
+        folder = run_dir / "checkpoint-50"
+        folder.mkdir()
+        shutil.copy(source / "config.json", folder)
+        with open(folder / "model.safetensors", "wb") as handle:
+            while not stop.is_set():
+                handle.write(b"\0" * 512)
+                handle.flush()
+                time.sleep(0.05)
+
+    def write_slowly():  # a real checkpoint written in pieces over about a second, then left alone
+        folder = run_dir / "checkpoint-60"
+        folder.mkdir()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(source / name, folder)
+        with open(folder / "model.safetensors", "wb") as handle:
+            for start in range(0, len(weights), len(weights) // 20 + 1):
+                handle.write(weights[start : start + len(weights) // 20 + 1])
+                handle.flush()
+                time.sleep(0.05)
+
+    writers = [threading.Thread(target=write_forever), threading.Thread(target=write_slowly)]
+    for writer in writers:
+        writer.start()
+    try:
+        report = sweep(run_dir, options(small_data, watch=True, interval=0.5, max_wait=2.0))
+    finally:
+        stop.set()
+        for writer in writers:
+            writer.join()
+    assert report.scored == ["checkpoint-60"]
+    assert report.incomplete == ["checkpoint-50"]
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [10, 20, 30, 60]
+    expected = evaluate(tiny_llama(len(bpe_tokenizer), seed=60), bpe_tokenizer, small_data, allow_modified=True)
+    assert lines[3]["acc_norm"] == pytest.approx(expected.acc_norm)
+
+
+def test_curves_are_drawn_from_a_sweep_and_from_a_callback_history(run_dir, small_data, tmp_path):
+    sweep(run_dir, options(small_data))
+    run = load_run(run_dir / "tatblimp.jsonl")
+    assert run.is_sweep and run.label == "run" and [e["step"] for e in run.history] == list(STEPS)
+    plot_comparison([run], tmp_path / "sweep.png")
+    history = [{"step": s, "tatblimp/acc_norm": 0.5 + s / 100, "tatblimp/a/acc_norm": s / 40, "tatblimp/b/acc_norm": 0.9} for s in STEPS]
+    plot_curves(history, tmp_path / "callback.png", title="demo")
+    for name in ("sweep.png", "callback.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+class FakeRun:
+    def __init__(self, **init):
+        self.init, self.logged, self.summary, self.metrics, self.finished = init, [], {}, [], False
+
+    def define_metric(self, name, **options):
+        self.metrics.append((name, options.get("step_metric")))
+
+    def log(self, values):
+        self.logged.append(values)
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_curves_over_the_checkpoint_step_into_an_existing_run(run_dir, small_data, monkeypatch):
+    import sys
+    import types
+
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **init: runs.append(FakeRun(**init)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    report = sweep(run_dir, options(small_data, wandb_project="p", wandb_run_id="abc123", threshold=0.3))
+    (run,) = runs
+    assert run.init["id"] == "abc123" and run.init["resume"] == "allow" and run.init["project"] == "p"
+    assert ("tatblimp/*", "train/global_step") in run.metrics
+    assert [values["train/global_step"] for values in run.logged] == list(STEPS)
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    for values, line in zip(run.logged, lines):
+        assert values["tatblimp/acc_norm"] == line["acc_norm"]
+        assert values["tatblimp/binding/acc_norm"] == line["phenomena"]["binding"]["acc_norm"]
+        assert values["tatblimp/tokens_per_byte"] == line["tokens_per_byte"]
+    assert {k: v for k, v in run.summary.items()} == {
+        f"tatblimp/acquisition/{name}": "never" if step is None else step for name, step in report.acquisition.items()
+    }
+    assert len(run.summary) == 16 and any(v != "never" for v in run.summary.values()) and run.finished
