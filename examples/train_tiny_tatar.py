@@ -32,8 +32,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-dir", default="runs/tiny-tatar")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--eval-steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--eval-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-to", default="wandb", help="wandb, tensorboard, none, ...")
@@ -101,7 +101,7 @@ def main() -> None:
         per_device_train_batch_size=args.batch_size,
         learning_rate=3e-3,
         lr_scheduler_type="cosine",
-        warmup_steps=50,
+        warmup_steps=100,
         weight_decay=0.01,
         logging_steps=25,
         save_strategy="no",

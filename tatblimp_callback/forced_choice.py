@@ -31,7 +31,15 @@ import torch.nn.functional as F
 
 from .data import Benchmark, Pair, load_benchmark
 from .packing import pack_rows
-from .scoring import CPU_MEMORY_BUDGET, MIN_MEMORY_BUDGET, ScorePath, ScoringError, default_memory_budget, unwrap_model
+from .scoring import (
+    CPU_MEMORY_BUDGET,
+    MIN_MEMORY_BUDGET,
+    ScorePath,
+    ScoringError,
+    check_weights_and_vocabulary,
+    default_memory_budget,
+    unwrap_model,
+)
 from .tokenization import TokenizationError, tokenizer_name
 
 logger = logging.getLogger(__name__)
@@ -550,15 +558,7 @@ class ForcedChoiceScorer:
         return head is not None and hasattr(head, "weight") and self.lm.base_model is not self.lm
 
     def _check_model(self) -> None:
-        if any(p.is_meta for p in self.lm.parameters()):
-            raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
-        rows = self.lm.get_input_embeddings().weight.shape[0]
-        largest = max(int(self.cache.token_ids.max()), *self.cache.answer_ids)
-        if largest >= rows:
-            raise ScoringError(
-                f"tokenizer {self.cache.tokenizer_name} produces token id {largest}, but the model's embedding "
-                f"has only {rows} rows: the tokenizer does not belong to this model"
-            )
+        check_weights_and_vocabulary(self.lm, self.cache.token_ids, self.cache.tokenizer_name, tuple(self.cache.answer_ids))
         context = getattr(self.lm.config, "max_position_embeddings", None)
         longest = max(self.cache.lengths)
         if context is not None and longest > context:

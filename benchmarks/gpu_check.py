@@ -1,0 +1,197 @@
+"""The GPU targets in one call: evaluation time and memory, lm-eval in the same run, training overhead.
+
+On the device machine (bf16, the 478M TATlit shape):
+
+    python benchmarks/gpu_check.py --json $OUT/gpu_check.json
+
+It measures, in one process:
+
+1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time path
+   check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta);
+2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
+   same sentences and model, its time, peak memory and per-sentence agreement with ours;
+3. the overhead on training: ``--steps`` plain training steps (AdamW, random tokens), then the
+   same number of steps with an evaluation every ``--steps // --evals`` steps; the time an
+   evaluation adds, including any slowdown of the steps after it, over ``500 x step time`` is the
+   overhead at one evaluation every 500 steps. It also reports whether scoring raised the
+   training loop's peak memory.
+
+It prints one JSON object (and writes it to ``--json``). A CPU smoke run of the same code:
+
+    python benchmarks/gpu_check.py --device cpu --model-shape tiny --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_scoring import (  # noqa: E402
+    DTYPES,
+    SHAPES,
+    SHARED,
+    LmEvalRunner,
+    load_converted_tokenizer,
+    make_model,
+    peak_extra_memory,
+    synchronize,
+    timed,
+)
+
+from tatblimp_callback import Scorer, build_cache, load_benchmark  # noqa: E402
+
+TARGET_EVAL_SECONDS = 0.1
+TARGET_SPEEDUP = 20.0
+TARGET_OVERHEAD = 0.01
+EVAL_EVERY = 500
+
+
+def training_steps(model, optimizer, steps: int, batch: tuple[int, int], device, every: int = 0, scorer=None) -> float:
+    """Seconds for ``steps`` training steps; with ``every``, a scoring call after every ``every``-th step."""
+    vocab = model.config.vocab_size
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    synchronize(device)
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, vocab, batch, generator=generator).to(device, non_blocking=True)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if every and step % every == 0:
+            scorer.score()  # as the callback does: eval mode, no grad, back to train mode
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl")
+    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    parser.add_argument("--model-shape", choices=sorted(SHAPES), default="478m")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5, help="timed evaluations (min is kept)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per timed loop")
+    parser.add_argument("--evals", type=int, default=2, help="evaluations inside the second timed loop")
+    parser.add_argument("--train-batch", type=int, default=8, help="sequences per training step")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence")
+    parser.add_argument("--skip-lm-eval", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    report: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model_shape": args.model_shape,
+        "dtype": args.dtype,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    started = time.perf_counter()
+    tokenizer = load_converted_tokenizer(args.tokenizer)
+    benchmark = load_benchmark(args.data, allow_modified=True)
+    cache = build_cache(tokenizer, benchmark, device=device)
+    model = make_model(args.model_shape, len(tokenizer), device, dtype)
+    tokens = sum(cache.lengths)
+    full_logits = tokens * model.config.vocab_size * 4
+    report.update(parameters=sum(p.numel() for p in model.parameters()), tokens=tokens, full_logits_bytes=full_logits)
+
+    # 1. One evaluation.
+    scorer = Scorer(model, cache)
+    ours, first_seconds, _ = timed(scorer.score, device)
+    ours, seconds, times = timed(scorer.score, device, args.repeats)
+    peak = peak_extra_memory(scorer.score, device)
+    report["ours"] = {
+        "seconds": seconds,
+        "times": times,
+        "first_call_seconds": first_seconds,
+        "path": str(scorer.path),
+        "memory_budget": scorer.memory_budget,
+        "head_chunk": scorer.head_chunk,
+        "forward_calls": len(scorer.layout().batches),
+        "padding_share": scorer.layout().padding_share,
+        "peak_extra_bytes": peak,
+        "peak_fraction_of_full_logits": peak / full_logits,
+    }
+
+    # 2. lm-eval on the same model and sentences.
+    if not args.skip_lm_eval:
+        runner = LmEvalRunner(model, tokenizer, batch_size=64)
+        sentences = [cache.sentence(s) for s in range(cache.num_sentences)]
+        lm_scores, lm_seconds, _ = timed(lambda: runner(benchmark.sentences), device)
+        lm_peak = peak_extra_memory(lambda: runner(benchmark.sentences), device)
+        diff = (lm_scores - ours).abs()
+        report["lm_eval"] = {
+            "seconds": lm_seconds,
+            "scoring_seconds": runner.scoring_seconds,
+            "peak_extra_bytes": lm_peak,
+            "same_token_ids": sum(a == b for a, b in zip(runner.token_requests, sentences)) == len(sentences),
+            "max_abs_diff_vs_ours": float(diff.max()),
+            "mean_abs_diff_vs_ours": float(diff.mean()),
+            "ours_speedup": lm_seconds / seconds,
+            "ours_speedup_vs_scoring_only": runner.scoring_seconds / seconds,
+        }
+        del runner
+
+    # 3. Training overhead.
+    model.train()
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
+    batch = (args.train_batch, args.seq_len)
+    training_steps(model, optimizer, 3, batch, device)  # warm-up: optimizer state, kernels
+    # A scorer built now sees the memory left beside training, as the callback's would.
+    train_scorer = Scorer(model, cache)
+    train_scorer.score()  # its one-time path check, outside the timed loops
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    plain = training_steps(model, optimizer, args.steps, batch, device)
+    plain_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    every = max(1, args.steps // args.evals)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with_evals = training_steps(model, optimizer, args.steps, batch, device, every=every, scorer=train_scorer)
+    evals_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    evaluations = args.steps // every
+    step_seconds = plain / args.steps
+    added = (with_evals - plain) / evaluations
+    report["training"] = {
+        "train_batch": list(batch),
+        "steps": args.steps,
+        "step_seconds": step_seconds,
+        "evaluations_in_loop": evaluations,
+        "seconds_added_per_evaluation": added,
+        "train_scorer_memory_budget": train_scorer.memory_budget,
+        "overhead_at_1_per_500_steps": added / (EVAL_EVERY * step_seconds),
+        "overhead_from_eval_time": seconds / (EVAL_EVERY * step_seconds),
+        "peak_bytes_training": plain_peak,
+        "peak_bytes_training_with_evals": evals_peak,
+    }
+
+    report["targets"] = {
+        "eval_seconds_at_most_0.1": seconds <= TARGET_EVAL_SECONDS,
+        "speedup_vs_lm_eval_at_least_20": report.get("lm_eval", {}).get("ours_speedup", 0) >= TARGET_SPEEDUP,
+        "overhead_at_most_1pct": max(report["training"]["overhead_at_1_per_500_steps"], 0) <= TARGET_OVERHEAD,
+        "peak_at_most_eighth_of_full_logits": peak <= full_logits / 8,
+    }
+    report["wall_seconds"] = time.perf_counter() - started
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The scorer's memory bound, checked structurally: chunk sizes, batch sizes, padding, peak allocations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DATA, SPM_MODEL, tiny_llama
+from tatblimp_callback import Scorer, SentencePieceTokenizer, build_cache
+from tatblimp_callback.scoring import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
+
+VOCAB = 48000
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer():
+    return SentencePieceTokenizer(SPM_MODEL)
+
+
+@pytest.fixture(scope="module")
+def model(spm_tokenizer):
+    # The real 48K vocabulary, so that the logits dominate memory as they do in practice.
+    assert len(spm_tokenizer) == VOCAB
+    return tiny_llama(VOCAB, hidden=32, layers=2)
+
+
+@pytest.fixture(scope="module")
+def small_cache(spm_tokenizer, small_data):
+    from tatblimp_callback import load_benchmark
+
+    return build_cache(spm_tokenizer, load_benchmark(small_data, allow_modified=True))
+
+
+def full_logits_bytes(cache) -> int:
+    return sum(cache.lengths) * VOCAB * 4
+
+
+def test_head_never_sees_more_than_a_chunk_and_full_logits_never_exist(model, small_cache, monkeypatch):
+    scorer = Scorer(model, small_cache)
+    first = scorer.score()  # the one-time path check runs whole-model forwards; not counted
+    assert str(scorer.path) == "packed rows, chunked head"
+    head_weight = model.get_output_embeddings().weight
+    head_rows: list[int] = []
+    real_linear = F.linear
+
+    def recording_linear(input, weight, bias=None):
+        if weight is head_weight:
+            head_rows.append(input.reshape(-1, input.shape[-1]).shape[0])
+        return real_linear(input, weight, bias)
+
+    head_calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *args: head_calls.append(1))
+    monkeypatch.setattr(F, "linear", recording_linear)
+    try:
+        second = scorer.score()
+    finally:
+        hook.remove()
+    scored = sum(small_cache.lengths) - small_cache.num_sentences
+    chunk = scorer.head_chunk
+    # Budget: a tenth of the full float32 logits, split over logits and log-softmax (8 bytes a logit).
+    assert scorer.memory_budget == max(MIN_MEMORY_BUDGET, full_logits_bytes(small_cache) // FULL_LOGITS_DIVISOR)
+    assert chunk == max(1, scorer.memory_budget // (VOCAB * 8)) < scored
+    assert head_calls == []  # the model's own head module (full logits) never ran
+    assert max(head_rows) <= chunk and sum(head_rows) == scored  # every scored token once, in chunks
+    assert len(head_rows) >= scored // chunk
+    assert torch.equal(first, second)
+
+
+def test_peak_allocation_is_within_an_eighth_of_the_full_logits(model, small_cache):
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    scorer = Scorer(model, small_cache)
+    scorer.score()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        scorer.score()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    full = full_logits_bytes(small_cache)
+    # One chunk's logits and log-softmax are allocated at least once: the measurement sees them.
+    assert peak >= scorer.head_chunk * VOCAB * 8
+    assert peak <= max(full // 8, MIN_MEMORY_BUDGET), (peak, full)
+
+
+def test_default_budget_is_capped_by_the_logits_size():
+    cpu = torch.device("cpu")
+    assert default_memory_budget(cpu) == 512 * 2**20
+    assert default_memory_budget(cpu, 8 * 2**30) == 512 * 2**20
+    assert default_memory_budget(cpu, 1000 * 2**20) == 100 * 2**20
+    assert default_memory_budget(cpu, 2**20) == MIN_MEMORY_BUDGET
+
+
+def test_real_benchmark_packs_with_little_padding(model, spm_tokenizer):
+    cache = build_cache(spm_tokenizer, DATA)
+    scorer = Scorer(model, cache)
+    packed, padded = scorer.layout("packed"), scorer.layout("padded")
+    inputs = sum(cache.lengths) - cache.num_sentences  # a sentence's last token is no input
+    assert packed.total_positions - packed.padded_positions == inputs == padded.total_positions - padded.padded_positions
+    assert packed.padding_share < 0.05 and packed.total_positions <= padded.total_positions
+    # Every forward call stays within the positions the budget allows.
+    assert all(b.num_positions <= max(scorer.tokens_per_batch, scorer.row_length) for b in packed.batches)
+    assert all(b.input_ids.shape[1] <= scorer.row_length for b in packed.batches)
