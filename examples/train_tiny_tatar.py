@@ -2,7 +2,7 @@
 
     python examples/train_tiny_tatar.py --corpus ../shared/tatar-corpus/train.txt --data ../shared/tatblimp/test.jsonl
 
-It trains a byte-level BPE tokenizer on the corpus, a ~2M-parameter Llama with the Hugging Face
+It trains a byte-level BPE tokenizer on the corpus, a 1.4M-parameter Llama with the Hugging Face
 Trainer on a CPU (about 10 minutes on 2 cores with the defaults), scores TatBLiMP before the first
 step and every --eval-steps steps with TatBLiMPCallback, logs to wandb (offline unless WANDB_MODE
 says otherwise), then prints the per-phenomenon table and writes a PNG of the acc_norm curves.

@@ -36,6 +36,7 @@ from .scoring import (
     MIN_MEMORY_BUDGET,
     ScorePath,
     ScoringError,
+    activation_bytes_per_position,
     check_weights_and_vocabulary,
     default_memory_budget,
     unwrap_model,
@@ -477,12 +478,7 @@ class ForcedChoiceScorer:
     @property
     def tokens_per_batch(self) -> int:
         """Positions per forward call that fit the memory budget (the estimate ``Scorer`` uses)."""
-        config = self.lm.config
-        hidden = getattr(config, "hidden_size", 1024)
-        intermediate = getattr(config, "intermediate_size", 4 * hidden)
-        heads = getattr(config, "num_attention_heads", 16)
-        element = torch.finfo(next(self.lm.parameters()).dtype).bits // 8
-        per_position = element * (6 * hidden + 3 * intermediate) + 4 * heads * self.row_length
+        per_position = activation_bytes_per_position(self.lm.config, next(self.lm.parameters()).dtype, self.row_length)
         return max(self.row_length, self.memory_budget // per_position)
 
     def batches(self, kind: str) -> list[PromptBatch]:

@@ -166,13 +166,8 @@ class Scorer:
     @property
     def tokens_per_batch(self) -> int:
         """Positions per forward call that fit the memory budget."""
-        config = self.lm.config
-        hidden = getattr(config, "hidden_size", 1024)
-        intermediate = getattr(config, "intermediate_size", 4 * hidden)
-        heads = getattr(config, "num_attention_heads", 16)
+        per_position = activation_bytes_per_position(self.lm.config, self._dtype(), self.row_length)
         element = torch.finfo(self._dtype()).bits // 8
-        # Live activations of one layer, plus the attention scores of a row, per position.
-        per_position = element * (6 * hidden + 3 * intermediate) + 4 * heads * self.row_length
         if self.sharded or (self.path is not None and self.path.head == "logits"):
             # The model's own logits for every position, then the scored ones in float32.
             per_position += self._vocab_size() * (2 * element + 8)
@@ -314,6 +309,15 @@ class Scorer:
             self.cache = self.cache.cut_to(context)
             logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(self.cache.truncated), context)
         self.row_length = max(min(self.row_length, context or self.row_length), max(self.cache.lengths))
+
+
+def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -> int:
+    """Estimated live bytes per position in a forward call: one layer's activations plus a row's attention scores."""
+    hidden = getattr(config, "hidden_size", 1024)
+    intermediate = getattr(config, "intermediate_size", 4 * hidden)
+    heads = getattr(config, "num_attention_heads", 16)
+    element = torch.finfo(dtype).bits // 8
+    return element * (6 * hidden + 3 * intermediate) + 4 * heads * row_length
 
 
 def check_weights_and_vocabulary(
