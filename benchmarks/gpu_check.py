@@ -77,17 +77,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="478m")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--repeats", type=int, default=5, help="timed evaluations (min is kept)")
     parser.add_argument("--steps", type=int, default=60, help="training steps per timed loop")
     parser.add_argument("--evals", type=int, default=2, help="evaluations inside the second timed loop")
-    parser.add_argument("--train-batch", type=int, default=8, help="sequences per training step")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence")
+    parser.add_argument("--train-batch", type=int, default=None, help="sequences per training step (default: 8 on a GPU, 2 on a CPU)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence (default: 2048 on a GPU, 128 on a CPU)")
     parser.add_argument("--skip-lm-eval", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
+    args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     dtype = DTYPES[args.dtype]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     model.train()
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
-    batch = (args.train_batch, args.seq_len)
+    on_gpu = device.type == "cuda"
+    batch = (args.train_batch or (8 if on_gpu else 2), args.seq_len or (2048 if on_gpu else 128))
     training_steps(model, optimizer, 3, batch, device)  # warm-up: optimizer state, kernels
     # A scorer built now sees the memory left beside training, as the callback's would.
     train_scorer = Scorer(model, cache)
