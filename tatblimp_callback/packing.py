@@ -1,16 +1,22 @@
 """Laying the cached sentences out in rows for the forward passes.
 
-Two layouts share one shape, a list of ``Batch`` objects:
+Three layouts share one shape, a list of ``Batch`` objects:
 
-- packed: sentences are packed first-fit-decreasing into rows of ``row_length`` tokens, with
-  position ids that restart at every sentence and no attention mask, so that transformers builds
-  a block-diagonal causal mask and almost no compute goes to padding;
+- tree: sentences sorted by their token ids fill rows of ``row_length`` positions as prefix
+  trees: sentences that start with the same tokens (a minimal pair's two sentences, the prefix
+  token of every sentence) share those positions, so each distinct context is computed once (on
+  TatBLiMP about a third fewer positions). Position ids are depths in the tree and a 4D mask lets
+  each position see its ancestors only; it needs an attention that takes such a mask (sdpa, eager);
+- packed: sentences are packed first-fit-decreasing into rows, with position ids that restart at
+  every sentence and no attention mask, so that transformers builds a block-diagonal causal mask
+  (flash-attention takes its variable-length path) and almost no compute goes to padding;
 - padded: one sentence a row, rows sorted by length and right-padded, with an attention mask; the
-  fallback for architectures that do not honour packed position ids.
+  fallback for architectures that honour neither.
 
-Each batch also says which of its positions are scored: position ``p`` predicts the token at
-``p + 1`` of the same sentence. A sentence's last token predicts nothing, so it is left out of
-the rows: a sentence of ``n`` tokens takes ``n - 1`` positions.
+Each batch also says which of its positions are read and which token each of them must predict
+for which sentence: a position may be the context of several sentences' tokens. A sentence's last
+token predicts nothing, so it is left out of the rows: a sentence of ``n`` tokens needs ``n - 1``
+positions.
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ from .cache import SentenceCache
 
 @dataclass
 class Batch:
-    """One forward call's inputs and the positions whose next-token log-prob is needed."""
+    """One forward call's inputs, the positions read from it, and the tokens they predict."""
 
     input_ids: torch.Tensor  # [rows, length]
     position_ids: torch.Tensor  # [rows, length]
-    attention_mask: torch.Tensor | None  # [rows, length] for the padded layout, None when packed
-    score_positions: torch.Tensor  # [k] flat indices into rows * length
-    score_targets: torch.Tensor  # [k] token ids to be predicted there
-    score_sentences: torch.Tensor  # [k] sentence index of each scored token
+    # None when packed; [rows, length] when padded; [rows, 1, length, length] (bool, or additive
+    # float for eager attention) for prefix trees.
+    attention_mask: torch.Tensor | None
+    score_positions: torch.Tensor  # [k] flat indices into rows * length: the contexts read
+    score_contexts: torch.Tensor  # [t] for each scored token, its context: an index into score_positions
+    score_targets: torch.Tensor  # [t] token ids to be predicted
+    score_sentences: torch.Tensor  # [t] sentence index of each scored token
 
     @property
     def num_positions(self) -> int:
@@ -40,16 +49,26 @@ class Batch:
 
 @dataclass
 class Layout:
-    """All batches of one evaluation, plus what it costs in padding."""
+    """All batches of one evaluation, plus what it costs in padding and saves by sharing."""
 
-    kind: str  # "packed" or "padded"
+    kind: str  # "tree", "packed" or "padded"
     batches: list[Batch]
     padded_positions: int
     total_positions: int
+    sentence_positions: int  # positions the sentences would take one by one (all tokens but the last)
 
     @property
     def padding_share(self) -> float:
         return self.padded_positions / max(self.total_positions, 1)
+
+    @property
+    def shared_share(self) -> float:
+        """Share of the sentences' positions that prefix sharing saved (0 unless ``kind == "tree"``)."""
+        used = self.total_positions - self.padded_positions
+        return 1 - used / max(self.sentence_positions, 1)
+
+
+LAYOUTS = ("tree", "packed", "padded")
 
 
 def pack_rows(lengths: list[int], row_length: int) -> list[list[int]]:
@@ -71,70 +90,152 @@ def pack_rows(lengths: list[int], row_length: int) -> list[list[int]]:
     return rows
 
 
+def tree_rows(sequences: list[list[int]], row_length: int) -> list[list[int]]:
+    """Indices into ``sequences`` per row, in sorted order, each row's prefix tree at most ``row_length`` nodes.
+
+    In sorted order a sequence shares the most leading tokens with the one just before it, so the
+    tree grows by the tokens after that common prefix.
+    """
+    rows: list[list[int]] = []
+    size, previous = 0, []
+    for index in sorted(range(len(sequences)), key=lambda i: (sequences[i], i)):
+        sequence = sequences[index]
+        if len(sequence) > row_length:
+            raise ValueError(f"sentence {index} has {len(sequence)} tokens, more than a row of {row_length}")
+        new = len(sequence) - _common_prefix_length(sequence, previous)
+        if not rows or size + new > row_length:
+            rows.append([])
+            size, new = 0, len(sequence)
+        rows[-1].append(index)
+        size += new
+        previous = sequence
+    return rows
+
+
 def build_layout(
-    cache: SentenceCache, kind: str, row_length: int, tokens_per_batch: int, sentences: list[int] | None = None
+    cache: SentenceCache,
+    kind: str,
+    row_length: int,
+    tokens_per_batch: int,
+    sentences: list[int] | None = None,
+    tree_mask_dtype: torch.dtype = torch.bool,
 ) -> Layout:
     """Rows of the given kind, grouped into batches of at most ``tokens_per_batch`` positions.
 
     ``sentences`` limits the layout to those sentence indices (all by default).
+    ``tree_mask_dtype``: the tree layout's mask is boolean (True: attend), or additive in this
+    floating dtype (0 or its most negative value), as the model's attention wants it.
     """
     lengths = cache.lengths
-    inputs = [n - 1 for n in lengths]  # positions a sentence takes: all its tokens but the last
-    chosen = range(len(lengths)) if sentences is None else sentences
-    if kind == "packed":
-        row_length = max(row_length, max(inputs[s] for s in chosen))
-        rows = [[chosen[i] for i in row] for row in pack_rows([inputs[s] for s in chosen], row_length)]
-        row_lengths = [row_length] * len(rows)
-    elif kind == "padded":
-        rows = [[s] for s in sorted(chosen, key=lambda s: (-inputs[s], s))]
-        row_lengths = [inputs[row[0]] for row in rows]
-    else:
-        raise ValueError(f"unknown layout {kind!r}; expected 'packed' or 'padded'")
-
     token_ids = cache.token_ids.cpu()
     offsets = cache.offsets.tolist()
-    batches, padded, total = [], 0, 0
+    chosen = list(range(len(lengths)) if sentences is None else sentences)
+    # A sentence's inputs are all its tokens but the last; its targets all but the first.
+    tokens = {s: token_ids[offsets[s] : offsets[s + 1]].tolist() for s in chosen}
+    row_length = max(row_length, max(lengths[s] - 1 for s in chosen))
+    if kind == "tree":
+        rows = [[chosen[i] for i in row] for row in tree_rows([tokens[s][:-1] for s in chosen], row_length)]
+        widths = [row_length] * len(rows)
+    elif kind == "packed":
+        rows = [[chosen[i] for i in row] for row in pack_rows([lengths[s] - 1 for s in chosen], row_length)]
+        widths = [row_length] * len(rows)
+    elif kind == "padded":
+        rows = [[s] for s in sorted(chosen, key=lambda s: (1 - lengths[s], s))]
+        widths = [lengths[row[0]] - 1 for row in rows]
+    else:
+        raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
+
+    batches, used, total = [], 0, 0
     start = 0
     while start < len(rows):
-        # Rows are sorted longest first, so the first row of a batch sets its width.
-        width = row_lengths[start]
+        # Rows are sorted longest first (or all as wide), so the first row of a batch sets its width.
+        width = widths[start]
         end = start + max(1, tokens_per_batch // width)
-        batch = _make_batch(rows[start:end], width, token_ids, offsets, lengths, cache.prefix_token_id, kind)
+        batch, positions = _make_batch(rows[start:end], width, tokens, cache.prefix_token_id, kind, tree_mask_dtype)
         batches.append(_to_device(batch, cache.device))
-        padded += batch.num_positions - sum(inputs[s] for row in rows[start:end] for s in row)
+        used += positions
         total += batch.num_positions
         start = end
-    return Layout(kind=kind, batches=batches, padded_positions=padded, total_positions=total)
+    return Layout(
+        kind=kind,
+        batches=batches,
+        padded_positions=total - used,
+        total_positions=total,
+        sentence_positions=sum(lengths[s] - 1 for s in chosen),
+    )
 
 
-def _make_batch(rows, width, token_ids, offsets, lengths, pad_id, kind) -> Batch:
+def _make_batch(rows, width, tokens, pad_id, kind, tree_mask_dtype) -> tuple[Batch, int]:
+    """The batch of these rows, and how many of its positions are not padding."""
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    # Tree rows: (query, key) column pairs that may attend; other rows: a [rows, width] padding mask.
+    allowed_rows, allowed_queries, allowed_keys = [], [], []
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    positions, targets, sentences = [], [], []
+    positions, contexts, targets, sentences = [], [], [], []
     for r, row in enumerate(rows):
-        column = 0
+        # node: (parent node, token) -> column; columns are the row's distinct contexts.
+        columns: dict[tuple[int, int], int] = {}
+        ancestors: list[list[int]] = []
         for sentence in row:
-            n = lengths[sentence] - 1  # inputs: every token but the last; targets: every token but the first
-            start = offsets[sentence]
-            input_ids[r, column : column + n] = token_ids[start : start + n]
-            position_ids[r, column : column + n] = torch.arange(n)
-            mask[r, column : column + n] = 1
-            flat = r * width + column
-            positions.append(torch.arange(flat, flat + n))
-            targets.append(token_ids[start + 1 : start + n + 1])
-            sentences.append(torch.full((n,), sentence, dtype=torch.long))
-            column += n
+            ids = tokens[sentence]
+            parent = -1
+            for depth, token in enumerate(ids[:-1]):
+                if kind == "tree":
+                    column = columns.get((parent, token))
+                    if column is None:
+                        column = columns[(parent, token)] = len(ancestors)
+                        ancestors.append((ancestors[parent] if parent >= 0 else []) + [column])
+                        input_ids[r, column] = token
+                        position_ids[r, column] = depth
+                        positions.append(r * width + column)
+                    parent = column
+                else:
+                    column = len(ancestors)
+                    ancestors.append([])
+                    input_ids[r, column] = token
+                    position_ids[r, column] = depth
+                    mask[r, column] = 1
+                    positions.append(r * width + column)
+                contexts.append(len(positions) - len(ancestors) + column)
+                targets.append(ids[depth + 1])
+                sentences.append(sentence)
+        if kind == "tree":
+            for column, seen in enumerate(ancestors):
+                allowed_rows += [r] * len(seen)
+                allowed_queries += [column] * len(seen)
+                allowed_keys += seen
         # Padding after the last sentence: its own position run, so it is a separate block when packed.
-        position_ids[r, column:] = torch.arange(width - column)
-    return Batch(
+        position_ids[r, len(ancestors) :] = torch.arange(width - len(ancestors))
+    if kind == "tree":
+        tree = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding attends to itself only
+        tree[allowed_rows, allowed_queries, allowed_keys] = True
+        attention_mask = tree.unsqueeze(1)
+        if tree_mask_dtype != torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=tree_mask_dtype).masked_fill_(
+                ~attention_mask, torch.finfo(tree_mask_dtype).min
+            )
+    else:
+        attention_mask = mask if kind == "padded" else None
+    batch = Batch(
         input_ids=input_ids,
         position_ids=position_ids,
-        attention_mask=mask if kind == "padded" else None,
-        score_positions=torch.cat(positions),
-        score_targets=torch.cat(targets),
-        score_sentences=torch.cat(sentences),
+        attention_mask=attention_mask,
+        score_positions=torch.tensor(positions, dtype=torch.long),
+        score_contexts=torch.tensor(contexts, dtype=torch.long),
+        score_targets=torch.tensor(targets, dtype=torch.long),
+        score_sentences=torch.tensor(sentences, dtype=torch.long),
     )
+    return batch, len(positions)
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:

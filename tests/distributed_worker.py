@@ -30,7 +30,7 @@ from tatblimp_callback import Evaluator, Scorer, ScorePath, TatBLiMPCallback, bu
 from tatblimp_callback import distributed as tdist  # noqa: E402
 
 BUDGET = 2**20  # small, so that the 96 sentences make several batches
-ROW = 160  # 13 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank
+ROW = 160  # 9 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank
 FAIL_STEP = 4
 
 
@@ -77,7 +77,8 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     model = tiny_llama(len(tokenizer))
     out = {"one_process": Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()}
     # What FSDP will use: the model's own logits (same budget, so the same batches).
-    out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, path=ScorePath("packed", "logits")).score()
+    out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, path=ScorePath("tree", "logits")).score()
+    out["one_process_evaluator"] = [p.good_logprob for p in Evaluator(cache=cache, memory_budget=BUDGET)(model).pairs]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 
     scorer = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)

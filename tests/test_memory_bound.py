@@ -1,4 +1,4 @@
-"""The scorer's memory bound, checked structurally: chunk sizes, batch sizes, padding, peak allocations."""
+"""The scorer's memory bound, checked structurally: tile sizes, batch sizes, padding, peak allocations."""
 
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ def full_logits_bytes(cache) -> int:
     return sum(cache.lengths) * VOCAB * 4
 
 
-def test_head_never_sees_more_than_a_chunk_and_full_logits_never_exist(model, small_cache, monkeypatch):
+def test_head_never_sees_more_than_a_tile_and_full_logits_never_exist(model, small_cache, monkeypatch):
     scorer = Scorer(model, small_cache)
     first = scorer.score()  # the one-time path check runs whole-model forwards; not counted
-    assert str(scorer.path) == "packed rows, chunked head"
+    assert str(scorer.path) == "tree rows, chunked head"
     head_weight = model.get_output_embeddings().weight
-    head_rows: list[int] = []
+    tiles: list[tuple[int, int]] = []  # (contexts, vocabulary columns) of each head matmul
     real_linear = F.linear
 
     def recording_linear(input, weight, bias=None):
-        if weight is head_weight:
-            head_rows.append(input.reshape(-1, input.shape[-1]).shape[0])
+        if weight.untyped_storage().data_ptr() == head_weight.untyped_storage().data_ptr():
+            tiles.append((input.reshape(-1, input.shape[-1]).shape[0], weight.shape[0]))
         return real_linear(input, weight, bias)
 
     head_calls = []
@@ -56,14 +56,16 @@ def test_head_never_sees_more_than_a_chunk_and_full_logits_never_exist(model, sm
         second = scorer.score()
     finally:
         hook.remove()
-    scored = sum(small_cache.lengths) - small_cache.num_sentences
-    chunk = scorer.head_chunk
-    # Budget: a tenth of the full float32 logits, split over logits and log-softmax (8 bytes a logit).
+    contexts = sum(b.score_positions.numel() for b in scorer.layout().batches)
+    rows, columns = scorer.head_tile
+    # Budget: a tenth of the full float32 logits; a CPU tile is 2048 x 2048 float32 logits at most.
     assert scorer.memory_budget == max(MIN_MEMORY_BUDGET, full_logits_bytes(small_cache) // FULL_LOGITS_DIVISOR)
-    assert chunk == max(1, scorer.memory_budget // (VOCAB * 8)) < scored
+    assert (rows, columns) == (min(2048, scorer.memory_budget // (2048 * 4)), 2048)
     assert head_calls == []  # the model's own head module (full logits) never ran
-    assert max(head_rows) <= chunk and sum(head_rows) == scored  # every scored token once, in chunks
-    assert len(head_rows) >= scored // chunk
+    assert max(r for r, _ in tiles) <= rows and max(c for _, c in tiles) == columns
+    # Every distinct context meets every vocabulary entry exactly once.
+    assert sum(r * c for r, c in tiles) == contexts * VOCAB
+    assert len(tiles) == len(scorer.layout().batches) * -(-VOCAB // columns)
     assert torch.equal(first, second)
 
 
@@ -86,8 +88,9 @@ def test_peak_allocation_is_within_an_eighth_of_the_full_logits(model, small_cac
         current += size
         peak = max(peak, current)
     full = full_logits_bytes(small_cache)
-    # One chunk's logits and log-softmax are allocated at least once: the measurement sees them.
-    assert peak >= scorer.head_chunk * VOCAB * 8
+    # A tile of float32 logits is allocated at least once: the measurement sees it.
+    contexts = max(b.score_positions.numel() for b in scorer.layout().batches)
+    assert peak >= min(contexts, scorer.head_tile[0]) * scorer.head_tile[1] * 4
     assert peak <= max(full // 8, MIN_MEMORY_BUDGET), (peak, full)
 
 

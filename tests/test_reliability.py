@@ -103,7 +103,7 @@ def poisoned(tokenizer, cache, count: int = 3):
     return model, sorted(s for t in tokens for s in users[t])
 
 
-def test_a_nan_sentence_does_not_spread_through_its_packed_row(bpe_tokenizer, cache):
+def test_a_nan_sentence_does_not_spread_through_its_row(bpe_tokenizer, cache):
     model, sentences = poisoned(bpe_tokenizer, cache)
     # One sentence a row: what a plain forward gives (test_scoring checks the padded path against one).
     reference = Scorer(model, cache, path=ScorePath("padded", "chunked")).score()
@@ -111,7 +111,7 @@ def test_a_nan_sentence_does_not_spread_through_its_packed_row(bpe_tokenizer, ca
     scorer = Scorer(model, cache)
     scores = scorer.score()
     # The fast path still agrees with a plain forward: no silent fallback to padded rows.
-    assert str(scorer.path) == "packed rows, chunked head"
+    assert str(scorer.path) == "tree rows, chunked head"
     assert (~torch.isfinite(scores)).nonzero().flatten().tolist() == sentences
     finite = torch.isfinite(reference)
     assert (scores[finite] - reference[finite]).abs().max().item() < 1e-4

@@ -29,22 +29,30 @@ def test_full_benchmark_matches_one_at_a_time(model, cache, reference):
     scorer = Scorer(model, cache)
     scores = scorer.score()
     assert scores.shape == (2496,)
-    assert str(scorer.path) == "packed rows, chunked head"
+    assert str(scorer.path) == "tree rows, chunked head"
     assert (scores - reference).abs().max().item() < 1e-4
-    # The prefix token is not scored; every other token is.
-    assert sum(cache.lengths) - 2496 == sum(scorer.layout().batches[i].score_targets.numel() for i in range(len(scorer.layout().batches)))
+    # The prefix token is not scored; every other token is, once.
+    batches = scorer.layout().batches
+    assert sum(cache.lengths) - 2496 == sum(b.score_targets.numel() for b in batches)
+    # Each distinct context (a sentence's first k tokens) is computed once, give or take those
+    # that recur at the start of the next row (the prefix token, a shared first word).
+    contexts = {tuple(cache.sentence(s)[:k]) for s in range(cache.num_sentences) for k in range(1, cache.lengths[s])}
+    computed = sum(b.score_positions.numel() for b in batches)
+    assert len(contexts) <= computed <= 1.03 * len(contexts) < 0.8 * (sum(cache.lengths) - 2496)
 
 
 @pytest.mark.parametrize(
     "options",
     [
         dict(path=ScorePath("padded", "chunked")),
+        dict(path=ScorePath("packed", "chunked")),
+        dict(path=ScorePath("tree", "logits")),
         dict(path=ScorePath("packed", "logits")),
         dict(path=ScorePath("padded", "logits")),
         dict(memory_budget=20 * 2**20, row_length=96),
         dict(memory_budget=200 * 2**20, row_length=1024),
     ],
-    ids=["padded", "packed-logits", "padded-logits", "small-batches", "large-batches"],
+    ids=["padded", "packed", "tree-logits", "packed-logits", "padded-logits", "small-batches", "large-batches"],
 )
 def test_every_path_and_batching_gives_the_same_decisions(model, cache, reference, options):
     scores = Scorer(model, cache, **options).score()
@@ -61,10 +69,33 @@ def test_sentence_order_does_not_change_scores(model, bpe_tokenizer, reference):
     assert (restored - reference).abs().max().item() < 1e-4
 
 
-def test_falls_back_to_padding_when_packed_positions_are_ignored(model, cache, reference, monkeypatch):
+def test_eager_attention_takes_an_additive_tree_mask(bpe_tokenizer, cache, reference):
+    model = tiny_llama(len(bpe_tokenizer), attn_implementation="eager")
+    scorer = Scorer(model, cache)
+    scores = scorer.score()
+    assert str(scorer.path) == "tree rows, chunked head"
+    assert scorer.layout().batches[0].attention_mask.dtype == torch.float32
+    assert (scores - reference).abs().max().item() < 1e-4
+
+
+def test_falls_back_to_packed_then_padded_rows_where_the_model_ignores_them(model, cache, reference, monkeypatch):
     import transformers.masking_utils as masking_utils
 
-    # An architecture without packed-sequence support: position ids do not split the rows.
+    # An architecture that drops a custom 4D mask and builds its own causal one: trees are wrong.
+    preprocess = masking_utils._preprocess_mask_arguments
+
+    def drop_4d_masks(config, inputs_embeds, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
+        return preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", drop_4d_masks)
+    scorer = Scorer(model, cache)
+    scores = scorer.score()
+    assert scorer.path.layout == "packed"
+    assert (scores - reference).abs().max().item() < 1e-4
+
+    # Nor does it support packed sequences: position ids do not split the rows.
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     scorer = Scorer(model, cache)
     scores = scorer.score()

@@ -1,0 +1,80 @@
+"""Row layouts on hand-made sentences: what each position holds, sees and predicts."""
+
+from __future__ import annotations
+
+import torch
+
+from tatblimp_callback.cache import SentenceCache
+from tatblimp_callback.packing import build_layout, tree_rows
+
+BOS = 1
+
+
+def cache_of(sentences: list[list[int]]) -> SentenceCache:
+    lengths = torch.tensor([len(s) for s in sentences])
+    return SentenceCache(
+        token_ids=torch.tensor([t for s in sentences for t in s]),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        byte_lengths=lengths,
+        phenomenon_index=torch.zeros(len(sentences) // 2, dtype=torch.long),
+        subtype_index=torch.full((len(sentences) // 2,), -1),
+        phenomena=["p"],
+        subtypes=[],
+        prefix_token_id=BOS,
+        tokenizer_name="hand-made",
+        fingerprint="x",
+        benchmark_source="test",
+        benchmark_md5="x",
+        benchmark_release="test",
+    )
+
+
+# A minimal pair that differs in its third word, and a pair that differs from the first word on.
+SENTENCES = [[BOS, 5, 6, 7, 8], [BOS, 5, 6, 9], [BOS, 3, 4], [BOS, 2, 4]]
+
+
+def test_tree_rows_share_prefixes_and_predict_every_token_once():
+    layout = build_layout(cache_of(SENTENCES), "tree", row_length=8, tokens_per_batch=8)
+    (batch,) = layout.batches
+    # Sorted by token ids: [1 2 4], [1 3 4], [1 5 6 9], [1 5 6 7 8]; inputs are all tokens but the last.
+    # Tree: 1 -> 2, 1 -> 3, 1 -> 5 -> 6 -> 7: six distinct contexts, where the sentences need 11.
+    assert batch.input_ids.tolist() == [[1, 2, 3, 5, 6, 7, BOS, BOS]]
+    assert batch.position_ids[0, :6].tolist() == [0, 1, 1, 1, 2, 3]
+    seen = batch.attention_mask[0, 0]
+    assert seen.dtype == torch.bool
+    assert [seen[q].nonzero().flatten().tolist() for q in range(8)] == [[0], [0, 1], [0, 2], [0, 3], [0, 3, 4], [0, 3, 4, 5], [6], [7]]
+    assert batch.score_positions.tolist() == [0, 1, 2, 3, 4, 5]
+    predicted = sorted(zip(batch.score_sentences.tolist(), batch.score_positions[batch.score_contexts].tolist(), batch.score_targets.tolist()))
+    assert predicted == [
+        (0, 0, 5), (0, 3, 6), (0, 4, 7), (0, 5, 8),
+        (1, 0, 5), (1, 3, 6), (1, 4, 9),
+        (2, 0, 3), (2, 2, 4),
+        (3, 0, 2), (3, 1, 4),
+    ]  # fmt: skip
+    assert (layout.total_positions, layout.padded_positions, layout.sentence_positions) == (8, 2, 11)
+    assert layout.shared_share == 1 - 6 / 11
+
+
+def test_tree_mask_is_additive_for_eager_attention():
+    layout = build_layout(cache_of(SENTENCES), "tree", row_length=8, tokens_per_batch=8, tree_mask_dtype=torch.bfloat16)
+    mask = layout.batches[0].attention_mask[0, 0]
+    assert mask.dtype == torch.bfloat16
+    assert mask[4].tolist() == [0, -torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 0, 0] + [-torch.finfo(torch.bfloat16).max] * 3
+
+
+def test_a_new_row_starts_when_the_tree_would_outgrow_it():
+    sequences = [[1, 5, 6, 7], [1, 5, 6, 9], [1, 3], [1, 2]]
+    # Sorted: [1 2] (2 nodes), [1 3] (+1), [1 5 6 7] (+3: 6 > 5, new row of 4), [1 5 6 9] (+1).
+    assert tree_rows(sequences, row_length=5) == [[3, 2], [0, 1]]
+    assert tree_rows(sequences, row_length=7) == [[3, 2, 0, 1]]
+
+
+def test_packed_and_padded_rows_read_one_position_per_token():
+    cache = cache_of(SENTENCES)
+    for kind in ("packed", "padded"):
+        layout = build_layout(cache, kind, row_length=8, tokens_per_batch=64)
+        contexts = torch.cat([b.score_contexts for b in layout.batches])
+        targets = torch.cat([b.score_targets for b in layout.batches])
+        assert sorted(targets.tolist()) == sorted(t for s in SENTENCES for t in s[1:])
+        assert all(torch.equal(b.score_contexts, torch.arange(b.score_positions.numel())) for b in layout.batches)
+        assert contexts.numel() == layout.sentence_positions == 11 and layout.shared_share == 0
