@@ -119,9 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
         "first_call_seconds": first_seconds,
         "path": str(scorer.path),
         "memory_budget": scorer.memory_budget,
-        "head_chunk": scorer.head_chunk,
+        "head_tile": scorer.head_tile,
         "forward_calls": len(scorer.layout().batches),
         "padding_share": scorer.layout().padding_share,
+        "shared_share": scorer.layout().shared_share,
         "peak_extra_bytes": peak,
         "peak_fraction_of_full_logits": peak / full_logits,
     }

@@ -38,7 +38,7 @@ class Evaluator:
         allow_modified: accept a benchmark file that is not the official release.
         memory_budget: extra bytes one evaluation may use (default: from free device memory).
         truncate: cut sentences longer than the model's context instead of raising.
-        path: force a scoring path ("packed", "padded" or a ``ScorePath``); default: checked once.
+        path: force a scoring path ("tree", "packed", "padded" or a ``ScorePath``); default: checked once.
         cache_path: a safetensors file to load the cache from, or to save it to once built.
     """
 
@@ -104,6 +104,7 @@ class Evaluator:
             "path": str(scorer.path),
             "seconds": seconds,
             "padding_share": layout.padding_share,
+            "shared_share": layout.shared_share,
             "oom_retries": scorer.oom_retries,
         }
         return compute_results(scorer.cache, logprobs, extra)

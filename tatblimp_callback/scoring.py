@@ -409,10 +409,11 @@ def _empty_device_cache(device: torch.device) -> None:
 
 
 def _sample_sentences(cache: SentenceCache, count: int = 12) -> list[int]:
-    """A few sentences spread over the length range, long ones included."""
+    """A few pairs spread over the length range, long ones included: both sentences of each, so
+    that prefix-tree rows share (and branch off) a prefix as they do in a full evaluation."""
     by_length = sorted(range(cache.num_sentences), key=lambda s: cache.lengths[s])
     picks = {by_length[round(i * (len(by_length) - 1) / (count - 1))] for i in range(count)}
-    return sorted(picks)
+    return sorted(picks | {s ^ 1 for s in picks if s ^ 1 < cache.num_sentences})
 
 
 def _agree(scores: torch.Tensor, reference: torch.Tensor, lengths: list[int], dtype: torch.dtype) -> bool:
