@@ -169,54 +169,47 @@ def _make_batch(rows, width, tokens, pad_id, kind, tree_mask_dtype) -> tuple[Bat
     """The batch of these rows, and how many of its positions are not padding."""
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    # Tree rows: (query, key) column pairs that may attend; other rows: a [rows, width] padding mask.
-    allowed_rows, allowed_queries, allowed_keys = [], [], []
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    used = torch.zeros((len(rows), width), dtype=torch.long)
+    allowed = [], [], []  # tree rows: (row, query column, key column) of every pair that may attend
     positions, contexts, targets, sentences = [], [], [], []
     for r, row in enumerate(rows):
-        # node: (parent node, token) -> column; columns are the row's distinct contexts.
-        columns: dict[tuple[int, int], int] = {}
-        ancestors: list[list[int]] = []
+        columns: dict[tuple[int, int], int] = {}  # a node of the row -> its column
+        ancestors: list[list[int]] = []  # per column: the columns it sees, itself included
+        first = len(positions)  # context index of the row's column 0
         for sentence in row:
             ids = tokens[sentence]
             parent = -1
             for depth, token in enumerate(ids[:-1]):
-                if kind == "tree":
-                    column = columns.get((parent, token))
-                    if column is None:
-                        column = columns[(parent, token)] = len(ancestors)
-                        ancestors.append((ancestors[parent] if parent >= 0 else []) + [column])
-                        input_ids[r, column] = token
-                        position_ids[r, column] = depth
-                        positions.append(r * width + column)
-                    parent = column
-                else:
-                    column = len(ancestors)
-                    ancestors.append([])
+                # In a tree a node is a distinct prefix; otherwise every sentence has positions of its own.
+                node = (parent, token) if kind == "tree" else (sentence, depth)
+                column = columns.get(node)
+                if column is None:
+                    column = columns[node] = len(ancestors)
+                    ancestors.append((ancestors[parent] if parent >= 0 else []) + [column])
                     input_ids[r, column] = token
                     position_ids[r, column] = depth
-                    mask[r, column] = 1
                     positions.append(r * width + column)
-                contexts.append(len(positions) - len(ancestors) + column)
+                contexts.append(first + column)
                 targets.append(ids[depth + 1])
                 sentences.append(sentence)
-        if kind == "tree":
-            for column, seen in enumerate(ancestors):
-                allowed_rows += [r] * len(seen)
-                allowed_queries += [column] * len(seen)
-                allowed_keys += seen
+                parent = column
+        used[r, : len(ancestors)] = 1
         # Padding after the last sentence: its own position run, so it is a separate block when packed.
         position_ids[r, len(ancestors) :] = torch.arange(width - len(ancestors))
+        for column, seen in enumerate(ancestors if kind == "tree" else []):
+            allowed[0].extend([r] * len(seen))
+            allowed[1].extend([column] * len(seen))
+            allowed[2].extend(seen)
     if kind == "tree":
         tree = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding attends to itself only
-        tree[allowed_rows, allowed_queries, allowed_keys] = True
+        tree[allowed] = True
         attention_mask = tree.unsqueeze(1)
         if tree_mask_dtype != torch.bool:
             attention_mask = torch.zeros(attention_mask.shape, dtype=tree_mask_dtype).masked_fill_(
                 ~attention_mask, torch.finfo(tree_mask_dtype).min
             )
     else:
-        attention_mask = mask if kind == "padded" else None
+        attention_mask = used if kind == "padded" else None
     batch = Batch(
         input_ids=input_ids,
         position_ids=position_ids,
