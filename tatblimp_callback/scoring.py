@@ -183,10 +183,11 @@ class Scorer:
 
     @property
     def head_tile(self) -> tuple[int, int]:
-        """(contexts, vocabulary columns) per tile of the LM head; its logits and their float32 copy fit the budget."""
+        """(contexts, vocabulary columns) per tile of the LM head: its logits and their float32 work fit the budget."""
         vocab = self._vocab_size()
         element = torch.finfo(self._dtype()).bits // 8
-        per_logit = element + (4 if element != 4 else 0)  # F.linear's logits, a float32 copy unless float32 already
+        # F.linear's logits, a float32 copy unless they are float32 already, logsumexp's temporary.
+        per_logit = element + (4 if element != 4 else 0) + 4
         if self.cache.device.type == "cpu":
             rows, columns = CPU_HEAD_TILE
             columns = min(columns, vocab)

@@ -166,3 +166,28 @@ def test_too_long_sentence_is_an_error_or_counted_truncation(bpe_tokenizer, cach
     too_long = sum(n > 20 for n in cache.lengths)
     assert longest > 20 and results.truncated_sentences == too_long > 0
     assert max(p.good_tokens for p in results.pairs) == 19
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi"])
+def test_soft_capped_logits_and_a_head_with_bias(bpe_tokenizer, cache, family):
+    """Gemma 2 caps its logits (30 tanh(x / 30)); Phi's LM head has a bias: the tiled head does both."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    size = dict(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(head_dim=8, final_logit_softcapping=2.0, **size))
+    else:
+        model = PhiForCausalLM(PhiConfig(**size))
+        assert model.lm_head.bias is not None
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.5)
+    model.eval()
+    sample = list(range(0, 2496, 7))
+    reference = torch.tensor(reference_logprobs(model, [cache.sentence(s) for s in sample]))
+    scorer = Scorer(model, cache)
+    scores = scorer.score()
+    assert str(scorer.path) == "tree rows, chunked head"
+    assert (scores[sample] - reference).abs().max().item() < 1e-4
