@@ -148,9 +148,12 @@ def build_layout(
     batches, used, total = [], 0, 0
     start = 0
     while start < len(rows):
-        # Rows are sorted longest first (or all as wide), so the first row of a batch sets its width.
+        # Rows are sorted longest first (or all as wide), so the first row of a batch sets its width;
+        # a batch ends where the budget does, or where rows get a quarter narrower (less padding).
         width = widths[start]
-        end = start + max(1, tokens_per_batch // width)
+        end, limit = start + 1, min(len(rows), start + max(1, tokens_per_batch // width))
+        while end < limit and 4 * widths[end] >= 3 * width:
+            end += 1
         batch, positions = _make_batch(rows[start:end], width, tokens, cache.prefix_token_id, kind, tree_mask_dtype)
         batches.append(_to_device(batch, cache.device))
         used += positions
