@@ -78,3 +78,25 @@ def test_packed_and_padded_rows_read_one_position_per_token():
         assert sorted(targets.tolist()) == sorted(t for s in SENTENCES for t in s[1:])
         assert all(torch.equal(b.score_contexts, torch.arange(b.score_positions.numel())) for b in layout.batches)
         assert contexts.numel() == layout.sentence_positions == 11 and layout.shared_share == 0
+
+
+def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once():
+    from conftest import reference_logprobs, tiny_llama
+
+    from tatblimp_callback import Scorer
+    from tatblimp_callback.metrics import compute_results
+
+    # Pair 0: the same sentence twice (a tie, which fails); pair 1: a sentence and its own prefix.
+    sentences = [[BOS, 5, 6, 7, 8], [BOS, 5, 6, 7, 8], [BOS, 5, 6, 7], [BOS, 2, 4]]
+    cache = cache_of(sentences)
+    model = tiny_llama(16)
+    scorer = Scorer(model, cache)
+    scores = scorer.score()
+    assert scorer.path.layout == "tree"
+    assert scores[0].item() == scores[1].item()
+    assert (scores - torch.tensor(reference_logprobs(model, sentences))).abs().max().item() < 1e-5
+    results = compute_results(cache, scores)
+    assert results.overall.ties == 1 and results.pairs[0].good_logprob == results.pairs[0].bad_logprob
+    # Five distinct contexts (1; 1 2; 1 5; 1 5 6; 1 5 6 7) serve the 13 scored tokens.
+    (batch,) = scorer.layout().batches
+    assert (batch.score_positions.numel(), batch.score_targets.numel()) == (5, 13)
