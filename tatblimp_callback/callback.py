@@ -4,7 +4,7 @@
     trainer.add_callback(TatBLiMPCallback(eval_steps=500, trainer=trainer))
 
 The callback tokenizes the benchmark once, at the start of training, into tensors on the model's
-device. When scoring is due it runs one packed forward pass over all sentences without gradients
+device. When scoring is due it runs one fused forward pass over all sentences without gradients
 and in eval mode, restores the model's mode and every random number generator, and logs
 ``tatblimp/acc``, ``tatblimp/acc_norm`` and ``tatblimp/<phenomenon>/{acc,acc_norm}`` at the
 global step. Steps where no scoring is due do an integer comparison and nothing else.

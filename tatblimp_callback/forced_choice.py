@@ -7,8 +7,8 @@ tokenizer's own chat template and its generation prompt, so the next token is th
 answer.
 
 A local model answers with the letter whose token has the higher log-probability at that
-position: one batched forward over all prompts (packed rows, only each prompt's last position
-scored), no generation. An equal pair of log-probs is a tie and counts as wrong. ``endpoint.py``
+position: one batched forward over all prompts (prefix-tree rows, so the chat template and the
+question are computed once a row; only each prompt's last position is read), no generation. An equal pair of log-probs is a tie and counts as wrong. ``endpoint.py``
 asks the same prompts of a chat-completions server and parses its text answer.
 
 Metrics: ``accuracy`` over items, ``both_orders`` over pairs (right in both orderings), and
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Benchmark, Pair, load_benchmark
-from .packing import pack_rows
+from .packing import Batch, Layout, build_layout, token_lists
 from .scoring import (
     CPU_MEMORY_BUDGET,
     MIN_MEMORY_BUDGET,
@@ -39,6 +39,8 @@ from .scoring import (
     activation_bytes_per_position,
     check_weights_and_vocabulary,
     default_memory_budget,
+    first_matching_path,
+    tree_mask_dtype,
     unwrap_model,
 )
 from .tokenization import TokenizationError, tokenizer_name
@@ -364,64 +366,6 @@ def find_answer_ids(tokenizer: Any, text: str, ids: Sequence[int]) -> tuple[int,
 # -- the local scorer ---------------------------------------------------------------------------
 
 
-@dataclass
-class PromptBatch:
-    """One forward call: rows of prompts and the flat index of each prompt's last position."""
-
-    input_ids: torch.Tensor  # [rows, length]
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None  # padded layout only
-    last_positions: torch.Tensor  # [k] flat indices into rows * length
-    items: torch.Tensor  # [k] item index of each
-
-
-def build_prompt_batches(cache: PromptCache, kind: str, row_length: int, tokens_per_batch: int,
-                         items: Sequence[int] | None = None) -> list[PromptBatch]:
-    """Packed rows (first-fit decreasing, position ids restarting per prompt, no mask) or padded rows."""
-    lengths = cache.lengths
-    chosen = list(range(len(lengths))) if items is None else list(items)
-    if kind == "packed":
-        row_length = max(row_length, max(lengths[k] for k in chosen))
-        rows = [[chosen[i] for i in row] for row in pack_rows([lengths[k] for k in chosen], row_length)]
-        widths = [row_length] * len(rows)
-    elif kind == "padded":
-        rows = [[k] for k in sorted(chosen, key=lambda k: (-lengths[k], k))]
-        widths = [lengths[row[0]] for row in rows]
-    else:
-        raise ValueError(f"unknown layout {kind!r}; expected 'packed' or 'padded'")
-    token_ids, offsets = cache.token_ids.cpu(), cache.offsets.tolist()
-    batches, start = [], 0
-    while start < len(rows):
-        width = widths[start]
-        end = start + max(1, tokens_per_batch // width)
-        group = rows[start:end]
-        input_ids = torch.full((len(group), width), cache.pad_id, dtype=torch.long)
-        position_ids = torch.zeros((len(group), width), dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        last, owners = [], []
-        for r, row in enumerate(group):
-            column = 0
-            for k in row:
-                n = lengths[k]
-                input_ids[r, column : column + n] = token_ids[offsets[k] : offsets[k] + n]
-                position_ids[r, column : column + n] = torch.arange(n)
-                mask[r, column : column + n] = 1
-                last.append(r * width + column + n - 1)
-                owners.append(k)
-                column += n
-            position_ids[r, column:] = torch.arange(width - column)  # padding: a block of its own
-        device = cache.device
-        batches.append(PromptBatch(
-            input_ids=input_ids.to(device),
-            position_ids=position_ids.to(device),
-            attention_mask=mask.to(device) if kind == "padded" else None,
-            last_positions=torch.tensor(last, dtype=torch.long, device=device),
-            items=torch.tensor(owners, dtype=torch.long, device=device),
-        ))
-        start = end
-    return batches
-
-
 class ForcedChoiceScorer:
     """log P("A") and log P("B") at the answer position of every prompt, for one model.
 
@@ -431,8 +375,8 @@ class ForcedChoiceScorer:
         memory_budget: bytes one evaluation may use for activations and logits (default: a
             quarter of free GPU memory, 512 MiB on a CPU); halved and retried on out-of-memory.
         row_length: tokens per packed row.
-        path: force a ``ScorePath`` (or "packed"/"padded"); None checks the packed rows once
-            against a plain one-prompt forward and falls back to padded rows where they disagree.
+        path: force a ``ScorePath`` (or "tree"/"packed"/"padded"); None checks the fastest layout
+            once against a plain one-prompt forward and falls back where they disagree.
     """
 
     def __init__(self, model: torch.nn.Module, cache: PromptCache, *, memory_budget: int | None = None,
@@ -450,7 +394,9 @@ class ForcedChoiceScorer:
             path = ScorePath(path, "chunked" if self._has_head() else "logits")
         self.path = path
         self.oom_retries = 0
-        self._batches: dict[tuple, list[PromptBatch]] = {}
+        self._layouts: dict[tuple, Layout] = {}
+        # Each prompt continued by the answer "A": the position before it is the one read.
+        self._sequences = [ids + [cache.answer_ids[0]] for ids in token_lists(cache)]
 
     @torch.no_grad()
     def logprobs(self) -> torch.Tensor:
@@ -468,7 +414,7 @@ class ForcedChoiceScorer:
                         raise
                     self.memory_budget //= 2
                     self.oom_retries += 1
-                    self._batches.clear()
+                    self._layouts.clear()
                     if self.cache.device.type == "cuda":
                         torch.cuda.empty_cache()
                     logger.warning("tatblimp: out of memory in forced choice; retrying with %d MiB", self.memory_budget >> 20)
@@ -481,32 +427,35 @@ class ForcedChoiceScorer:
         per_position = activation_bytes_per_position(self.lm.config, next(self.lm.parameters()).dtype, self.row_length)
         return max(self.row_length, self.memory_budget // per_position)
 
-    def batches(self, kind: str) -> list[PromptBatch]:
+    def layout(self, kind: str, items: Sequence[int] | None = None) -> Layout:
+        """The prompts' rows of this kind (all prompts: built once per budget)."""
         key = (kind, self.row_length, self.tokens_per_batch)
-        if key not in self._batches:
-            self._batches[key] = build_prompt_batches(self.cache, kind, self.row_length, self.tokens_per_batch)
-        return self._batches[key]
+        if items is None and key in self._layouts:
+            return self._layouts[key]
+        layout = build_layout(self._sequences, kind, self.row_length, self.tokens_per_batch, pad_id=self.cache.pad_id,
+                              device=self.cache.device, chosen=None if items is None else list(items), last_only=True,
+                              tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool)
+        if items is None:
+            self._layouts[key] = layout
+        return layout
 
     def _all_logprobs(self, path: ScorePath, items: Sequence[int] | None = None) -> torch.Tensor:
         out = torch.full((self.cache.num_items, 2), math.nan, dtype=torch.float32, device=self.cache.device)
-        if items is None:
-            batches = self.batches(path.layout)
-        else:
-            batches = build_prompt_batches(self.cache, path.layout, self.row_length, self.tokens_per_batch, items)
-        for batch in batches:
-            out[batch.items] = self._batch_logprobs(batch, path.head)
+        for batch in self.layout(path.layout, items).batches:
+            out[batch.score_sentences] = self._batch_logprobs(batch, path.head)[batch.score_contexts]
         return out
 
-    def _batch_logprobs(self, batch: PromptBatch, head: str) -> torch.Tensor:
+    def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
+        """[read positions, 2]: log P("A") and log P("B") at each position the batch reads."""
         inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids,
                       attention_mask=batch.attention_mask, use_cache=False)
         answers = torch.tensor(self.cache.answer_ids, device=self.cache.device)
         if head == "logits":
             logits = self._forward(**inputs).logits
-            logits = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.last_positions)
+            logits = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.score_positions)
             return logits.float().log_softmax(-1)[:, answers]
         hidden = self.lm.base_model(**inputs).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.last_positions)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.score_positions)
         weight = self.lm.get_output_embeddings().weight
         bias = getattr(self.lm.get_output_embeddings(), "bias", None)
         cap = getattr(self.lm.config, "final_logit_softcapping", None)
@@ -527,15 +476,14 @@ class ForcedChoiceScorer:
         sample = sorted({by_length[round(i * (len(by_length) - 1) / 7)] for i in range(8)})
         reference = self.reference_logprobs(sample)
         tolerance = 1e-4 if next(self.lm.parameters()).dtype in (torch.float32, torch.float64) else 5e-2
-        for layout in ("packed", "padded"):
-            for head in (["chunked", "logits"] if self._has_head() else ["logits"]):
-                path = ScorePath(layout, head)
-                got = self._all_logprobs(path, sample)[sample]
-                finite = torch.isfinite(reference)  # a diverged model's NaNs leave nothing to compare
-                if bool(((got - reference).abs() <= tolerance)[finite].all()):
-                    logger.info("tatblimp: forced choice with %s", path)
-                    return path
-                logger.warning("tatblimp: forced choice with %s disagrees with a plain forward", path)
+        finite = torch.isfinite(reference)  # a diverged model's NaNs leave nothing to compare
+
+        def matches(path: ScorePath) -> bool:
+            return bool(((self._all_logprobs(path, sample)[sample] - reference).abs() <= tolerance)[finite].all())
+
+        path = first_matching_path(self.lm, ["chunked", "logits"] if self._has_head() else ["logits"], matches)
+        if path is not None:
+            return path
         raise ScoringError("no forced-choice path matches a plain forward of this model; its logits may be non-deterministic")
 
     @torch.no_grad()
@@ -577,7 +525,7 @@ class ForcedChoiceEvaluator:
         cache: an already built ``PromptCache``; it is moved to the model's device.
         allow_modified: accept a benchmark file that is not the official release.
         memory_budget: extra bytes one evaluation may use (default: from free device memory).
-        path: force a ``ScorePath`` or "packed"/"padded"; default: checked once.
+        path: force a ``ScorePath`` or "tree"/"packed"/"padded"; default: checked once.
     """
 
     def __init__(self, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None, *,

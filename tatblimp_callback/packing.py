@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import SentenceCache
 
 
 @dataclass
@@ -112,36 +111,44 @@ def tree_rows(sequences: list[list[int]], row_length: int) -> list[list[int]]:
     return rows
 
 
+def token_lists(cache) -> list[list[int]]:
+    """Each sequence of a cache (anything with flat ``token_ids`` and ``offsets``) as a host list."""
+    ids, offsets = cache.token_ids.tolist(), cache.offsets.tolist()
+    return [ids[start:end] for start, end in zip(offsets, offsets[1:])]
+
+
 def build_layout(
-    cache: SentenceCache,
+    sequences: list[list[int]],
     kind: str,
     row_length: int,
     tokens_per_batch: int,
-    sentences: list[int] | None = None,
+    *,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    chosen: list[int] | None = None,
+    last_only: bool = False,
     tree_mask_dtype: torch.dtype = torch.bool,
 ) -> Layout:
     """Rows of the given kind, grouped into batches of at most ``tokens_per_batch`` positions.
 
-    ``sentences`` limits the layout to those sentence indices (all by default).
-    ``tree_mask_dtype``: the tree layout's mask is boolean (True: attend), or additive in this
-    floating dtype (0 or its most negative value), as the model's attention wants it.
+    A sequence's inputs are all its tokens but the last, its targets all but the first; with
+    ``last_only`` only its last target is scored (one position read per sequence). ``chosen``
+    limits the layout to those sequence indices (all by default). ``tree_mask_dtype``: the tree
+    layout's mask is boolean (True: attend), or additive in this floating dtype (0 or its most
+    negative value), as the model's attention wants it.
     """
-    lengths = cache.lengths
-    token_ids = cache.token_ids.cpu()
-    offsets = cache.offsets.tolist()
-    chosen = list(range(len(lengths)) if sentences is None else sentences)
-    # A sentence's inputs are all its tokens but the last; its targets all but the first.
-    tokens = {s: token_ids[offsets[s] : offsets[s + 1]].tolist() for s in chosen}
-    row_length = max(row_length, max(lengths[s] - 1 for s in chosen))
+    chosen = list(range(len(sequences)) if chosen is None else chosen)
+    inputs = {s: len(sequences[s]) - 1 for s in chosen}
+    row_length = max(row_length, max(inputs.values()))
     if kind == "tree":
-        rows = [[chosen[i] for i in row] for row in tree_rows([tokens[s][:-1] for s in chosen], row_length)]
+        rows = [[chosen[i] for i in row] for row in tree_rows([sequences[s][:-1] for s in chosen], row_length)]
         widths = [row_length] * len(rows)
     elif kind == "packed":
-        rows = [[chosen[i] for i in row] for row in pack_rows([lengths[s] - 1 for s in chosen], row_length)]
+        rows = [[chosen[i] for i in row] for row in pack_rows([inputs[s] for s in chosen], row_length)]
         widths = [row_length] * len(rows)
     elif kind == "padded":
-        rows = [[s] for s in sorted(chosen, key=lambda s: (1 - lengths[s], s))]
-        widths = [lengths[row[0]] - 1 for row in rows]
+        rows = [[s] for s in sorted(chosen, key=lambda s: (-inputs[s], s))]
+        widths = [inputs[row[0]] for row in rows]
     else:
         raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
 
@@ -154,8 +161,8 @@ def build_layout(
         end, limit = start + 1, min(len(rows), start + max(1, tokens_per_batch // width))
         while end < limit and 4 * widths[end] >= 3 * width:
             end += 1
-        batch, positions = _make_batch(rows[start:end], width, tokens, cache.prefix_token_id, kind, tree_mask_dtype)
-        batches.append(_to_device(batch, cache.device))
+        batch, positions = _make_batch(rows[start:end], width, sequences, pad_id, kind, last_only, tree_mask_dtype)
+        batches.append(_to_device(batch, device))
         used += positions
         total += batch.num_positions
         start = end
@@ -164,40 +171,46 @@ def build_layout(
         batches=batches,
         padded_positions=total - used,
         total_positions=total,
-        sentence_positions=sum(lengths[s] - 1 for s in chosen),
+        sentence_positions=sum(inputs.values()),
     )
 
 
-def _make_batch(rows, width, tokens, pad_id, kind, tree_mask_dtype) -> tuple[Batch, int]:
+def _make_batch(rows, width, sequences, pad_id, kind, last_only, tree_mask_dtype) -> tuple[Batch, int]:
     """The batch of these rows, and how many of its positions are not padding."""
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     used = torch.zeros((len(rows), width), dtype=torch.long)
     allowed = [], [], []  # tree rows: (row, query column, key column) of every pair that may attend
-    positions, contexts, targets, sentences = [], [], [], []
+    positions, contexts, targets, owners = [], [], [], []
+    filled = 0
     for r, row in enumerate(rows):
         columns: dict[tuple[int, int], int] = {}  # a node of the row -> its column
         ancestors: list[list[int]] = []  # per column: the columns it sees, itself included
-        first = len(positions)  # context index of the row's column 0
-        for sentence in row:
-            ids = tokens[sentence]
+        read: dict[int, int] = {}  # column -> its index in ``positions``
+        for sequence in row:
+            ids = sequences[sequence]
             parent = -1
             for depth, token in enumerate(ids[:-1]):
-                # In a tree a node is a distinct prefix; otherwise every sentence has positions of its own.
-                node = (parent, token) if kind == "tree" else (sentence, depth)
+                # In a tree a node is a distinct prefix; otherwise every sequence has positions of its own.
+                node = (parent, token) if kind == "tree" else (sequence, depth)
                 column = columns.get(node)
                 if column is None:
                     column = columns[node] = len(ancestors)
                     ancestors.append((ancestors[parent] if parent >= 0 else []) + [column])
                     input_ids[r, column] = token
                     position_ids[r, column] = depth
-                    positions.append(r * width + column)
-                contexts.append(first + column)
-                targets.append(ids[depth + 1])
-                sentences.append(sentence)
                 parent = column
+                if last_only and depth < len(ids) - 2:
+                    continue
+                if column not in read:
+                    read[column] = len(positions)
+                    positions.append(r * width + column)
+                contexts.append(read[column])
+                targets.append(ids[depth + 1])
+                owners.append(sequence)
+        filled += len(ancestors)
         used[r, : len(ancestors)] = 1
-        # Padding after the last sentence: its own position run, so it is a separate block when packed.
+        # Padding after the last sequence: its own position run, so it is a separate block when packed.
         position_ids[r, len(ancestors) :] = torch.arange(width - len(ancestors))
         for column, seen in enumerate(ancestors if kind == "tree" else []):
             allowed[0].extend([r] * len(seen))
@@ -220,9 +233,9 @@ def _make_batch(rows, width, tokens, pad_id, kind, tree_mask_dtype) -> tuple[Bat
         score_positions=torch.tensor(positions, dtype=torch.long),
         score_contexts=torch.tensor(contexts, dtype=torch.long),
         score_targets=torch.tensor(targets, dtype=torch.long),
-        score_sentences=torch.tensor(sentences, dtype=torch.long),
+        score_sentences=torch.tensor(owners, dtype=torch.long),
     )
-    return batch, len(positions)
+    return batch, filled
 
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import distributed
 from .cache import SentenceCache
-from .packing import Batch, Layout, build_layout
+from .packing import Batch, Layout, build_layout, token_lists
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class Scorer:
         self._check_model(truncate)  # first: a meta model's cache cannot even be measured
         self.memory_budget = memory_budget or default_memory_budget(cache.device, sum(self.cache.lengths) * self._vocab_size() * 4)
         self._layouts: dict[tuple, Layout] = {}
+        self._sequences: list[list[int]] | None = None  # the cache's token ids as host lists
         if isinstance(path, str):
             path = ScorePath(layout=path, head="chunked" if self._head_weight() is not None else "logits")
         self.path = path
@@ -161,15 +163,19 @@ class Scorer:
 
     def layout(self, kind: str | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen path's), built once per budget."""
-        kind = kind or (self.path.layout if self.path else self._layouts_to_try()[0])
+        kind = kind or (self.path.layout if self.path else layouts_to_try(self.lm)[0])
         key = (kind, self.row_length, self.tokens_per_batch)
         if key not in self._layouts:
             self._layouts[key] = self._build_layout(kind)
         return self._layouts[key]
 
     def _build_layout(self, kind: str, sentences: list[int] | None = None) -> Layout:
-        mask_dtype = self._tree_mask_dtype() or torch.bool
-        return build_layout(self.cache, kind, self.row_length, self.tokens_per_batch, sentences, mask_dtype)
+        if self._sequences is None:
+            self._sequences = token_lists(self.cache)
+        return build_layout(
+            self._sequences, kind, self.row_length, self.tokens_per_batch, pad_id=self.cache.prefix_token_id,
+            device=self.cache.device, chosen=sentences, tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
+        )
 
     @property
     def tokens_per_batch(self) -> int:
@@ -263,15 +269,6 @@ class Scorer:
 
     # -- choosing the path ----------------------------------------------------------------------
 
-    def _layouts_to_try(self) -> list[str]:
-        """Fastest first; prefix trees need an attention that takes a 4D mask."""
-        return ["tree", "packed", "padded"] if self._tree_mask_dtype() else ["packed", "padded"]
-
-    def _tree_mask_dtype(self) -> torch.dtype | None:
-        """The 4D mask the model's attention takes: boolean for sdpa, additive for eager; None for others."""
-        implementation = getattr(self.lm.config, "_attn_implementation", None)
-        return {"sdpa": torch.bool, "eager": self._dtype()}.get(implementation)
-
     def _choose_path(self) -> ScorePath:
         """The fastest path whose scores match a plain forward on a sample of sentences."""
         sample = _sample_sentences(self.cache)
@@ -281,23 +278,17 @@ class Scorer:
             # A diverged model leaves nothing to compare: use the fastest path for now and check
             # again at the next evaluation, rather than keep a choice that was never tested.
             logger.warning("tatblimp: the model's log-probs are not finite; scoring path unchecked until they are")
-            return ScorePath("packed", heads[0])
-        for layout in self._layouts_to_try():
-            for head in heads:
-                path = ScorePath(layout, head)
-                try:
-                    scores = self._score_all(path, sample)[sample]
-                    agreed = _agree(scores, reference, [self.cache.lengths[s] for s in sample], self._dtype())
-                except (RuntimeError, ValueError, TypeError) as error:  # e.g. an attention that rejects a 4D mask
-                    if isinstance(error, torch.OutOfMemoryError) or layout == "padded":
-                        raise
-                    logger.warning("tatblimp: %s failed for this model (%s)", path, error)
-                    agreed = False
-                if distributed.all_agree(agreed):  # every process takes the same path
-                    logger.info("tatblimp: scoring with %s", path)
-                    self._path_checked = True
-                    return path
-                logger.warning("tatblimp: %s disagrees with a plain forward for this model", path)
+            return ScorePath(layouts_to_try(self.lm)[0], heads[0])
+        sample_lengths = [self.cache.lengths[s] for s in sample]
+        path = first_matching_path(
+            self.lm,
+            heads,
+            lambda path: _agree(self._score_all(path, sample)[sample], reference, sample_lengths, self._dtype()),
+            consensus=distributed.all_agree,  # every process takes the same path
+        )
+        if path is not None:
+            self._path_checked = True
+            return path
         raise ScoringError("no scoring path matches a plain forward of this model; its logits may be non-deterministic")
 
     def _reference_logprobs(self, sentences: list[int]) -> torch.Tensor:
@@ -338,6 +329,42 @@ class Scorer:
             self.cache = self.cache.cut_to(context)
             logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(self.cache.truncated), context)
         self.row_length = max(min(self.row_length, context or self.row_length), max(self.cache.lengths))
+
+
+def tree_mask_dtype(lm: torch.nn.Module) -> torch.dtype | None:
+    """The 4D mask the model's attention takes: boolean for sdpa, additive for eager; None for others."""
+    implementation = getattr(lm.config, "_attn_implementation", None)
+    return {"sdpa": torch.bool, "eager": next(lm.parameters()).dtype}.get(implementation)
+
+
+def layouts_to_try(lm: torch.nn.Module) -> list[str]:
+    """Row layouts, fastest first; prefix trees need an attention that takes a 4D mask."""
+    return ["tree", "packed", "padded"] if tree_mask_dtype(lm) else ["packed", "padded"]
+
+
+def first_matching_path(
+    lm: torch.nn.Module, heads: list[str], matches: Callable[[ScorePath], bool], consensus: Callable[[bool], bool] = bool
+) -> ScorePath | None:
+    """The fastest path for which ``matches(path)`` holds (layouts fastest first, then ``heads``), or None.
+
+    A path that raises (an attention that rejects a 4D mask, say) does not match, unless it is
+    the last resort, padded rows, whose error is the model's own.
+    """
+    for layout in layouts_to_try(lm):
+        for head in heads:
+            path = ScorePath(layout, head)
+            try:
+                matched = matches(path)
+            except (RuntimeError, ValueError, TypeError) as error:
+                if isinstance(error, torch.OutOfMemoryError) or layout == "padded":
+                    raise
+                logger.warning("tatblimp: %s failed for this model (%s)", path, error)
+                matched = False
+            if consensus(matched):
+                logger.info("tatblimp: scoring with %s", path)
+                return path
+            logger.warning("tatblimp: %s disagrees with a plain forward for this model", path)
+    return None
 
 
 def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -> int:

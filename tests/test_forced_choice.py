@@ -111,10 +111,11 @@ def test_answer_letters_must_be_single_tokens(chat_tokenizer, fc_data):
     [
         dict(),
         dict(path=ScorePath("padded", "chunked")),
-        dict(path=ScorePath("packed", "logits")),
-        dict(memory_budget=8 * 2**20, row_length=300, path="packed"),
+        dict(path=ScorePath("packed", "chunked")),
+        dict(path=ScorePath("tree", "logits")),
+        dict(memory_budget=8 * 2**20, row_length=300, path="tree"),
     ],
-    ids=["auto", "padded", "packed-logits", "many-batches"],
+    ids=["auto", "padded", "packed", "tree-logits", "many-batches"],
 )
 def test_batched_decision_equals_one_prompt_at_a_time(model, cache, reference, options):
     scorer = ForcedChoiceScorer(model, cache, **options)
@@ -122,9 +123,11 @@ def test_batched_decision_equals_one_prompt_at_a_time(model, cache, reference, o
     assert logprobs.shape == (32, 2)
     assert (logprobs.double() - reference).abs().max().item() < 1e-4
     if not options:
-        assert str(scorer.path) == "packed rows, chunked head"
+        assert str(scorer.path) == "tree rows, chunked head"
+        # The chat template and the question are computed once a row, not once a prompt.
+        assert scorer.layout("tree").shared_share > 0.3
     if "memory_budget" in options:
-        assert len(scorer.batches("packed")) >= 3
+        assert len(scorer.layout("tree").batches) >= 3
     items = items_from_logprobs(logprobs)
     expected = ["A" if a > b else "B" for a, b in reference.tolist()]
     assert [item.answer for item in items] == expected
@@ -132,9 +135,17 @@ def test_batched_decision_equals_one_prompt_at_a_time(model, cache, reference, o
     assert (reference[:, 0] - reference[:, 1]).abs().min().item() > 1e-3
 
 
-def test_falls_back_to_padded_rows_when_packing_is_ignored(model, cache, reference, monkeypatch):
+def test_falls_back_to_padded_rows_when_trees_and_packing_are_ignored(model, cache, reference, monkeypatch):
     import transformers.masking_utils as masking_utils
 
+    preprocess = masking_utils._preprocess_mask_arguments
+
+    def drop_4d_masks(config, inputs_embeds, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
+        return preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", drop_4d_masks)
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     scorer = ForcedChoiceScorer(model, cache)
     logprobs = scorer.logprobs()

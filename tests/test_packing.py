@@ -34,7 +34,7 @@ SENTENCES = [[BOS, 5, 6, 7, 8], [BOS, 5, 6, 9], [BOS, 3, 4], [BOS, 2, 4]]
 
 
 def test_tree_rows_share_prefixes_and_predict_every_token_once():
-    layout = build_layout(cache_of(SENTENCES), "tree", row_length=8, tokens_per_batch=8)
+    layout = build_layout(SENTENCES, "tree", row_length=8, tokens_per_batch=8, pad_id=BOS)
     (batch,) = layout.batches
     # Sorted by token ids: [1 2 4], [1 3 4], [1 5 6 9], [1 5 6 7 8]; inputs are all tokens but the last.
     # Tree: 1 -> 2, 1 -> 3, 1 -> 5 -> 6 -> 7: six distinct contexts, where the sentences need 11.
@@ -56,7 +56,7 @@ def test_tree_rows_share_prefixes_and_predict_every_token_once():
 
 
 def test_tree_mask_is_additive_for_eager_attention():
-    layout = build_layout(cache_of(SENTENCES), "tree", row_length=8, tokens_per_batch=8, tree_mask_dtype=torch.bfloat16)
+    layout = build_layout(SENTENCES, "tree", row_length=8, tokens_per_batch=8, pad_id=BOS, tree_mask_dtype=torch.bfloat16)
     mask = layout.batches[0].attention_mask[0, 0]
     assert mask.dtype == torch.bfloat16
     assert mask[4].tolist() == [0, -torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 0, 0] + [-torch.finfo(torch.bfloat16).max] * 3
@@ -70,9 +70,8 @@ def test_a_new_row_starts_when_the_tree_would_outgrow_it():
 
 
 def test_packed_and_padded_rows_read_one_position_per_token():
-    cache = cache_of(SENTENCES)
     for kind in ("packed", "padded"):
-        layout = build_layout(cache, kind, row_length=8, tokens_per_batch=64)
+        layout = build_layout(SENTENCES, kind, row_length=8, tokens_per_batch=64, pad_id=BOS)
         contexts = torch.cat([b.score_contexts for b in layout.batches])
         targets = torch.cat([b.score_targets for b in layout.batches])
         assert sorted(targets.tolist()) == sorted(t for s in SENTENCES for t in s[1:])
@@ -100,3 +99,13 @@ def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once()
     # Five distinct contexts (1; 1 2; 1 5; 1 5 6; 1 5 6 7) serve the 13 scored tokens.
     (batch,) = scorer.layout().batches
     assert (batch.score_positions.numel(), batch.score_targets.numel()) == (5, 13)
+
+
+def test_last_only_reads_one_position_per_sequence():
+    # Forced choice: a prompt followed by its answer; only the position before the answer is read.
+    layout = build_layout(SENTENCES, "tree", row_length=8, tokens_per_batch=8, pad_id=BOS, last_only=True)
+    (batch,) = layout.batches
+    assert batch.input_ids.tolist() == [[1, 2, 3, 5, 6, 7, BOS, BOS]]  # the whole tree is still computed
+    read = dict(zip(batch.score_sentences.tolist(), batch.score_positions[batch.score_contexts].tolist()))
+    assert read == {0: 5, 1: 4, 2: 2, 3: 1}
+    assert batch.score_targets.tolist() == [SENTENCES[s][-1] for s in batch.score_sentences.tolist()]
