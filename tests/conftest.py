@@ -129,3 +129,17 @@ def reference_logprobs(model, sentences_ids: list[list[int]]) -> list[float]:
             logits = model(input_ids=x).logits[0, :-1].double()
             values.append(float(logits.log_softmax(-1).gather(-1, x[0, 1:, None]).sum()))
     return values
+
+
+def ignore_tree_masks(monkeypatch) -> None:
+    """Make every model drop a custom 4D mask and build its own causal one, as some architectures do."""
+    import transformers.masking_utils as masking_utils
+
+    preprocess = masking_utils._preprocess_mask_arguments
+
+    def drop_4d_masks(config, inputs_embeds, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
+        return preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", drop_4d_masks)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import CHAT_TEMPLATE, CORPUS, DATA, tiny_llama, write_pairs
+from conftest import CHAT_TEMPLATE, CORPUS, DATA, ignore_tree_masks, tiny_llama, write_pairs
 from tatblimp_callback import load_benchmark
 from tatblimp_callback.cli import main
 from tatblimp_callback.data import Benchmark, Pair
@@ -138,14 +138,7 @@ def test_batched_decision_equals_one_prompt_at_a_time(model, cache, reference, o
 def test_falls_back_to_padded_rows_when_trees_and_packing_are_ignored(model, cache, reference, monkeypatch):
     import transformers.masking_utils as masking_utils
 
-    preprocess = masking_utils._preprocess_mask_arguments
-
-    def drop_4d_masks(config, inputs_embeds, attention_mask, *args, **kwargs):
-        if attention_mask is not None and attention_mask.dim() == 4:
-            attention_mask = None
-        return preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
-
-    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", drop_4d_masks)
+    ignore_tree_masks(monkeypatch)
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     scorer = ForcedChoiceScorer(model, cache)
     logprobs = scorer.logprobs()

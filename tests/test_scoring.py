@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DATA, reference_logprobs, tiny_llama
+from conftest import DATA, ignore_tree_masks, reference_logprobs, tiny_llama
 from tatblimp_callback import Evaluator, Scorer, ScorePath, ScoringError, build_cache, evaluate, load_benchmark
 from tatblimp_callback.data import Benchmark
 
@@ -81,15 +81,7 @@ def test_eager_attention_takes_an_additive_tree_mask(bpe_tokenizer, cache, refer
 def test_falls_back_to_packed_then_padded_rows_where_the_model_ignores_them(model, cache, reference, monkeypatch):
     import transformers.masking_utils as masking_utils
 
-    # An architecture that drops a custom 4D mask and builds its own causal one: trees are wrong.
-    preprocess = masking_utils._preprocess_mask_arguments
-
-    def drop_4d_masks(config, inputs_embeds, attention_mask, *args, **kwargs):
-        if attention_mask is not None and attention_mask.dim() == 4:
-            attention_mask = None
-        return preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
-
-    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", drop_4d_masks)
+    ignore_tree_masks(monkeypatch)  # trees are wrong
     scorer = Scorer(model, cache)
     scores = scorer.score()
     assert scorer.path.layout == "packed"
