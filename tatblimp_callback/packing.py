@@ -16,7 +16,8 @@ Three layouts share one shape, a list of ``Batch`` objects:
 Each batch also says which of its positions are read and which token each of them must predict
 for which sentence: a position may be the context of several sentences' tokens. A sentence's last
 token predicts nothing, so it is left out of the rows: a sentence of ``n`` tokens needs ``n - 1``
-positions.
+positions. The forced-choice prompts use the same layouts, each prompt followed by its answer and
+only its last position read (``last_only``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Batch:
     score_positions: torch.Tensor  # [k] flat indices into rows * length: the contexts read
     score_contexts: torch.Tensor  # [t] for each scored token, its context: an index into score_positions
     score_targets: torch.Tensor  # [t] token ids to be predicted
-    score_sentences: torch.Tensor  # [t] sentence index of each scored token
+    score_sentences: torch.Tensor  # [t] sentence (or prompt) index of each scored token
 
     @property
     def num_positions(self) -> int:
