@@ -127,9 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_fraction_of_full_logits": peak / full_logits,
     }
 
-    # 2. lm-eval on the same model and sentences.
-    if not args.skip_lm_eval:
-        runner = LmEvalRunner(model, tokenizer, batch_size=64)
+    save(report, args.json)  # each part is kept as soon as it is measured, should a later one fail
+
+    # 2. lm-eval on the same model and sentences (optional: without it the rest is still measured).
+    try:
+        runner = None if args.skip_lm_eval else LmEvalRunner(model, tokenizer, batch_size=64)
+    except ImportError as error:
+        report["lm_eval"] = {"error": f"lm-eval could not be imported: {error}"}
+        runner = None
+    if runner is not None:
         sentences = [cache.sentence(s) for s in range(cache.num_sentences)]
         lm_scores, lm_seconds, _ = timed(lambda: runner(benchmark.sentences), device)
         lm_peak = peak_extra_memory(lambda: runner(benchmark.sentences), device)
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
             "ours_speedup_vs_scoring_only": runner.scoring_seconds / seconds,
         }
         del runner
+
+    save(report, args.json)
 
     # 3. Training overhead.
     model.train()
@@ -188,12 +196,15 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_at_most_eighth_of_full_logits": peak <= full_logits / 8,
     }
     report["wall_seconds"] = time.perf_counter() - started
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
+    save(report, args.json)
+    print(json.dumps(report, indent=2))
     return report
+
+
+def save(report: dict, path: Path | None) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
