@@ -29,17 +29,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import distributed
 from .data import Benchmark, Pair, load_benchmark
 from .packing import Batch, Layout, build_layout, token_lists
 from .scoring import (
     CPU_MEMORY_BUDGET,
-    MIN_MEMORY_BUDGET,
     ScorePath,
     ScoringError,
     activation_bytes_per_position,
     check_weights_and_vocabulary,
     default_memory_budget,
     first_matching_path,
+    retry_out_of_memory,
     tree_mask_dtype,
     unwrap_model,
 )
@@ -400,26 +401,23 @@ class ForcedChoiceScorer:
 
     @torch.no_grad()
     def logprobs(self) -> torch.Tensor:
-        """``[items, 2]`` float32 log-probs of "A" and "B" (CPU), item order; the model's mode is restored."""
+        """``[items, 2]`` float32 log-probs of "A" and "B" (CPU), item order; the model's mode is restored.
+
+        Under ``torch.distributed`` every process must call this: each scores a share of the
+        batches and all get every item's log-probs; a failure on one process raises on all.
+        """
         was_training = self.model.training
         self.model.eval()
         try:
-            if self.path is None:
-                self.path = self._choose_path()
-            while True:
-                try:
-                    return self._all_logprobs(self.path).cpu()
-                except torch.OutOfMemoryError:
-                    if self.memory_budget // 2 < MIN_MEMORY_BUDGET:
-                        raise
-                    self.memory_budget //= 2
-                    self.oom_retries += 1
-                    self._layouts.clear()
-                    if self.cache.device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    logger.warning("tatblimp: out of memory in forced choice; retrying with %d MiB", self.memory_budget >> 20)
+            with distributed.shared_failures():
+                return retry_out_of_memory(self, self._attempt)
         finally:
             self.model.train(was_training)
+
+    def _attempt(self) -> torch.Tensor:
+        if self.path is None:
+            self.path = self._choose_path()
+        return self._all_logprobs(self.path).cpu()
 
     @property
     def tokens_per_batch(self) -> int:
@@ -440,10 +438,14 @@ class ForcedChoiceScorer:
         return layout
 
     def _all_logprobs(self, path: ScorePath, items: Sequence[int] | None = None) -> torch.Tensor:
-        out = torch.full((self.cache.num_items, 2), math.nan, dtype=torch.float32, device=self.cache.device)
-        for batch in self.layout(path.layout, items).batches:
-            out[batch.score_sentences] = self._batch_logprobs(batch, path.head)[batch.score_contexts]
-        return out
+        """Every item's log-probs (those of ``items`` only, where given: on every process alike)."""
+        out = torch.zeros((self.cache.num_items, 2), dtype=torch.float32, device=self.cache.device)
+        split = items is None  # the path check's sample runs everywhere
+        for batch, keep in distributed.shard(self.layout(path.layout, items).batches, split=split):
+            if keep:
+                out[batch.score_sentences] = self._batch_logprobs(batch, path.head)[batch.score_contexts]
+        # Each item is scored on one process, zeros elsewhere: the sum is its log-probs, bit for bit.
+        return distributed.sum_over_processes(out) if split else out
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
         """[read positions, 2]: log P("A") and log P("B") at each position the batch reads."""
@@ -481,7 +483,8 @@ class ForcedChoiceScorer:
         def matches(path: ScorePath) -> bool:
             return bool(((self._all_logprobs(path, sample)[sample] - reference).abs() <= tolerance)[finite].all())
 
-        path = first_matching_path(self.lm, ["chunked", "logits"] if self._has_head() else ["logits"], matches)
+        heads = ["chunked", "logits"] if self._has_head() else ["logits"]
+        path = first_matching_path(self.lm, heads, matches, consensus=distributed.all_agree)
         if path is not None:
             return path
         raise ScoringError("no forced-choice path matches a plain forward of this model; its logits may be non-deterministic")

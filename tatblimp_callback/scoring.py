@@ -142,24 +142,12 @@ class Scorer:
             self.model.train(was_training)
 
     def _score_with_retries(self) -> torch.Tensor:
-        # Every process must build the same layout, so all use the smallest budget.
-        self.memory_budget = distributed.smallest(self.memory_budget)
-        while True:
-            try:
-                if not self._path_checked:  # its sample is laid out within the budget too
-                    self.path = self._choose_path()
-                return self._score_all(self.path).cpu()
-            except torch.OutOfMemoryError as error:
-                distributed.retry_together(error)
-                if self.memory_budget // 2 < MIN_MEMORY_BUDGET:
-                    raise
-            # Past the except block, the failed attempt's traceback and the tensors its frames
-            # held are gone, so emptying the device cache below really frees them.
-            self.memory_budget //= 2
-            self.oom_retries += 1
-            self._layouts.clear()
-            _empty_device_cache(self.cache.device)
-            logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", self.memory_budget >> 20)
+        def attempt() -> torch.Tensor:
+            if not self._path_checked:  # its sample is laid out within the budget too
+                self.path = self._choose_path()
+            return self._score_all(self.path).cpu()
+
+        return retry_out_of_memory(self, attempt)
 
     def layout(self, kind: str | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen path's), built once per budget."""
@@ -340,6 +328,30 @@ def tree_mask_dtype(lm: torch.nn.Module) -> torch.dtype | None:
 def layouts_to_try(lm: torch.nn.Module) -> list[str]:
     """Row layouts, fastest first; prefix trees need an attention that takes a 4D mask."""
     return ["tree", "packed", "padded"] if tree_mask_dtype(lm) else ["packed", "padded"]
+
+
+def retry_out_of_memory(scorer, attempt: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``attempt()``, its memory budget halved and retried on out-of-memory down to ``MIN_MEMORY_BUDGET``.
+
+    ``scorer`` holds ``memory_budget``, ``oom_retries``, its cached ``_layouts`` and ``cache``.
+    Every process must build the same layout, so all use the smallest budget, and all retry
+    together (``distributed.retry_together``).
+    """
+    scorer.memory_budget = distributed.smallest(scorer.memory_budget)
+    while True:
+        try:
+            return attempt()
+        except torch.OutOfMemoryError as error:
+            distributed.retry_together(error)
+            if scorer.memory_budget // 2 < MIN_MEMORY_BUDGET:
+                raise
+        # Past the except block, the failed attempt's traceback and the tensors its frames
+        # held are gone, so emptying the device cache below really frees them.
+        scorer.memory_budget //= 2
+        scorer.oom_retries += 1
+        scorer._layouts.clear()
+        _empty_device_cache(scorer.cache.device)
+        logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", scorer.memory_budget >> 20)
 
 
 def first_matching_path(

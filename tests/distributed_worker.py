@@ -6,7 +6,8 @@ WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test; each rank writes
 ``SCENARIO-rank{r}.pt`` there. Scenarios:
 
 - ``scorer``: the sharded scorer against a one-process score made before the process group
-  exists; failures injected on one rank (inside scoring, before scoring, out of memory); FSDP2.
+  exists; failures injected on one rank (inside scoring, before scoring, out of memory); FSDP2;
+  forced choice, sharded, against one process.
 - ``trainer``: an HF Trainer under DDP with ``TatBLiMPCallback``; the evaluation at step 4 fails
   on rank 1 only. Afterwards rank 0 scores the saved weights of every evaluation on one process.
 """
@@ -23,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_llama  # noqa: E402
+from conftest import CHAT_TEMPLATE, tiny_llama  # noqa: E402
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
 from tatblimp_callback import Evaluator, Scorer, ScorePath, TatBLiMPCallback, build_cache, scoring  # noqa: E402
 from tatblimp_callback import distributed as tdist  # noqa: E402
+from tatblimp_callback.forced_choice import ForcedChoiceScorer, build_prompt_cache  # noqa: E402
 
 BUDGET = 2**20  # small, so that the 96 sentences make several batches
 ROW = 160  # 9 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank
@@ -64,8 +66,18 @@ def outcome(function):
 def count_forwards(model):
     """A counter of forward calls of the model's body (both heads of the scorer run it)."""
     counter = [0]
-    model.model.register_forward_pre_hook(lambda module, args: counter.__setitem__(0, counter[0] + 1))
+    model._counter_hook = model.model.register_forward_pre_hook(lambda module, args: counter.__setitem__(0, counter[0] + 1))
     return counter
+
+
+def remove_counter(model):
+    model._counter_hook.remove()
+
+
+def chat_tokenizer(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
 
 
 class FakeBatch:
@@ -79,7 +91,17 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     # What FSDP will use: the model's own logits (same budget, so the same batches).
     out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, path=ScorePath("tree", "logits")).score()
     out["one_process_evaluator"] = [p.good_logprob for p in Evaluator(cache=cache, memory_budget=BUDGET)(model).pairs]
+    prompts = build_prompt_cache(chat_tokenizer(tokenizer), workdir / "small.jsonl", allow_modified=True)
+    out["fc_one_process"] = ForcedChoiceScorer(model, prompts, memory_budget=BUDGET).logprobs()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+
+    fc_scorer = ForcedChoiceScorer(model, prompts, memory_budget=BUDGET)
+    fc_scorer.logprobs()  # the path check: every process runs all of its sample
+    forwards = count_forwards(model)
+    out["fc_sharded"] = fc_scorer.logprobs()
+    out["fc_forwards"] = forwards[0]
+    out["fc_batch_sizes"] = [b.num_positions for b in fc_scorer.layout(fc_scorer.path.layout).batches]
+    remove_counter(model)
 
     scorer = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)
     out["sharded"] = scorer.score()
@@ -87,6 +109,7 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     forwards = count_forwards(model)
     out["sharded_again"] = scorer.score()
     out["forwards"] = forwards[0]
+    remove_counter(model)
     out["batch_sizes"] = [b.num_positions for b in scorer.layout().batches]
 
     batches = [FakeBatch("a", 30), FakeBatch("b", 20), FakeBatch("c", 10)]

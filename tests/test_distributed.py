@@ -95,6 +95,17 @@ def test_sharded_scores_equal_one_process_bitwise(scorer_run):
     assert [out["forwards"] for out in ranks] == [len(share) for share in shares] == [5, 4]
 
 
+def test_forced_choice_is_sharded_and_equals_one_process_bitwise(scorer_run):
+    ranks, _ = scorer_run
+    for out in ranks:
+        assert out["fc_one_process"].shape == (96, 2) and torch.isfinite(out["fc_one_process"]).all()
+        assert torch.equal(out["fc_sharded"], out["fc_one_process"])
+    # Every batch runs once, on the rank the token-balanced assignment gives it.
+    shares = assign(ranks[0]["fc_batch_sizes"], 2)
+    assert len(ranks[0]["fc_batch_sizes"]) >= 2
+    assert [out["fc_forwards"] for out in ranks] == [len(share) for share in shares]
+
+
 def test_short_shards_repeat_a_batch_only_in_lockstep(scorer_run):
     ranks, _ = scorer_run
     # Batches of 30, 20 and 10 tokens: rank 0 takes the 30, rank 1 the 20 and the 10.
