@@ -8,8 +8,9 @@ answer.
 
 A local model answers with the letter whose token has the higher log-probability at that
 position: one batched forward over all prompts (prefix-tree rows, so the chat template and the
-question are computed once a row; only each prompt's last position is read), no generation. An equal pair of log-probs is a tie and counts as wrong. ``endpoint.py``
-asks the same prompts of a chat-completions server and parses its text answer.
+question are computed once a row; only each prompt's last position is read), no generation. An
+equal pair of log-probs is a tie and counts as wrong. ``endpoint.py`` asks the same prompts of a
+chat-completions server and parses its text answer.
 
 Metrics: ``accuracy`` over items, ``both_orders`` over pairs (right in both orderings), and
 ``a_share``, the share of A among the A/B answers (0.5 for a model without position bias).
@@ -375,7 +376,7 @@ class ForcedChoiceScorer:
         cache: the tokenized prompts, on the model's device.
         memory_budget: bytes one evaluation may use for activations and logits (default: a
             quarter of free GPU memory, 512 MiB on a CPU); halved and retried on out-of-memory.
-        row_length: tokens per packed row.
+        row_length: positions per row.
         path: force a ``ScorePath`` (or "tree"/"packed"/"padded"); None checks the fastest layout
             once against a plain one-prompt forward and falls back where they disagree.
     """

@@ -84,7 +84,7 @@ class Scorer:
         memory_budget: bytes of extra memory one evaluation may use for activations and logits;
             None sets it from free device memory (a quarter of it on a GPU, 512 MiB on a CPU),
             and never above a tenth of the float32 logits of all the cached tokens.
-        row_length: tokens per packed row.
+        row_length: positions per row.
         path: force a ``ScorePath`` (or "tree"/"packed"/"padded"); None checks the fast path
             once and falls back where it disagrees with a plain forward.
         truncate: cut sentences longer than the model's context instead of raising; the number
