@@ -7,7 +7,8 @@ On the device machine (bf16, the 478M TATlit shape):
 It measures, in one process:
 
 1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time path
-   check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta);
+   check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta); and
+   the same on packed rows, for what the prefix-tree rows gain or cost on this device;
 2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
    same sentences and model, its time, peak memory and per-sentence agreement with ours;
 3. the overhead on training: ``--steps`` plain training steps (AdamW, random tokens), then the
@@ -45,7 +46,7 @@ from bench_scoring import (  # noqa: E402
     timed,
 )
 
-from tatblimp_callback import Scorer, build_cache, load_benchmark  # noqa: E402
+from tatblimp_callback import Scorer, ScorePath, build_cache, load_benchmark  # noqa: E402
 
 TARGET_EVAL_SECONDS = 0.1
 TARGET_SPEEDUP = 20.0
@@ -127,6 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_fraction_of_full_logits": peak / full_logits,
     }
 
+    # The same evaluation on packed rows: what prefix trees gain (or cost, with sdpa's masked kernel) here.
+    packed = Scorer(model, cache, path=ScorePath("packed", scorer.path.head))
+    packed_scores, packed_seconds, _ = timed(packed.score, device, args.repeats)
+    report["ours_packed_rows"] = {"seconds": packed_seconds, "max_abs_diff_vs_ours": float((packed_scores - ours).abs().max())}
     save(report, args.json)  # each part is kept as soon as it is measured, should a later one fail
 
     # 2. lm-eval on the same model and sentences (optional: without it the rest is still measured).
