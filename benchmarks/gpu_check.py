@@ -41,6 +41,7 @@ from bench_scoring import (  # noqa: E402
     LmEvalRunner,
     load_converted_tokenizer,
     make_model,
+    measure_scorer,
     peak_extra_memory,
     synchronize,
     timed,
@@ -111,22 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 1. One evaluation.
     scorer = Scorer(model, cache)
-    ours, first_seconds, _ = timed(scorer.score, device)
-    ours, seconds, times = timed(scorer.score, device, args.repeats)
-    peak = peak_extra_memory(scorer.score, device)
-    report["ours"] = {
-        "seconds": seconds,
-        "times": times,
-        "first_call_seconds": first_seconds,
-        "path": str(scorer.path),
-        "memory_budget": scorer.memory_budget,
-        "head_tile": scorer.head_tile,
-        "forward_calls": len(scorer.layout().batches),
-        "padding_share": scorer.layout().padding_share,
-        "shared_share": scorer.layout().shared_share,
-        "peak_extra_bytes": peak,
-        "peak_fraction_of_full_logits": peak / full_logits,
-    }
+    ours, report["ours"] = measure_scorer(scorer, device, args.repeats, full_logits)
+    seconds, peak = report["ours"]["seconds"], report["ours"]["peak_extra_bytes"]
 
     # The same evaluation on packed rows: what prefix trees gain (or cost, with sdpa's masked kernel) here.
     packed = Scorer(model, cache, path=ScorePath("packed", scorer.path.head))
