@@ -28,19 +28,19 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import distributed
 from .data import Benchmark, Pair, load_benchmark
 from .packing import Batch, Layout, build_layout, token_lists
 from .scoring import (
-    CPU_MEMORY_BUDGET,
     ScorePath,
     ScoringError,
     activation_bytes_per_position,
     check_weights_and_vocabulary,
     default_memory_budget,
     first_matching_path,
+    head_logprobs,
+    head_tile,
     retry_out_of_memory,
     tree_mask_dtype,
     unwrap_model,
@@ -459,18 +459,11 @@ class ForcedChoiceScorer:
             return logits.float().log_softmax(-1)[:, answers]
         hidden = self.lm.base_model(**inputs).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.score_positions)
+        # Both answers at every read position: contexts 0, 0, 1, 1, ... with targets A, B, A, B, ...
+        contexts = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(2)
         weight = self.lm.get_output_embeddings().weight
-        bias = getattr(self.lm.get_output_embeddings(), "bias", None)
-        cap = getattr(self.lm.config, "final_logit_softcapping", None)
-        # Logits and log-softmax of a chunk of prompts in float32 within the budget (capped: few positions anyway).
-        chunk = max(1, min(self.memory_budget, 3 * CPU_MEMORY_BUDGET) // (weight.shape[0] * 4 * 3))
-        parts = []
-        for start in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[start : start + chunk], weight, bias).float()
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-            parts.append(logits.log_softmax(-1)[:, answers])
-        return torch.cat(parts)
+        tile = head_tile(hidden.device, weight.shape[0], weight.dtype, self.memory_budget)
+        return head_logprobs(self.lm, hidden, contexts, answers.repeat(hidden.shape[0]), tile).view(-1, 2)
 
     def _choose_path(self) -> ScorePath:
         """The fastest path whose answer log-probs match a plain one-prompt forward on a sample."""

@@ -178,15 +178,7 @@ class Scorer:
     @property
     def head_tile(self) -> tuple[int, int]:
         """(contexts, vocabulary columns) per tile of the LM head: its logits and their float32 work fit the budget."""
-        vocab = self._vocab_size()
-        element = torch.finfo(self._dtype()).bits // 8
-        # F.linear's logits, a float32 copy unless they are float32 already, logsumexp's temporary.
-        per_logit = element + (4 if element != 4 else 0) + 4
-        if self.cache.device.type == "cpu":
-            rows, columns = CPU_HEAD_TILE
-            columns = min(columns, vocab)
-            return max(1, min(rows, self.memory_budget // (columns * per_logit))), columns
-        return max(1, self.memory_budget // (vocab * per_logit)), vocab
+        return head_tile(self.cache.device, self._vocab_size(), self._dtype(), self.memory_budget)
 
     # -- the computation ------------------------------------------------------------------------
 
@@ -239,21 +231,7 @@ class Scorer:
         return self._head_logprobs(hidden, batch.score_contexts, batch.score_targets)
 
     def _head_logprobs(self, hidden: torch.Tensor, contexts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log p(target | context) = target logit - log-sum-exp of the context's logits, in float32."""
-        head = self.lm.get_output_embeddings()
-        weight, bias = head.weight, getattr(head, "bias", None)
-        cap = getattr(self.lm.config, "final_logit_softcapping", None)
-        rows, columns = self.head_tile
-        log_normalizers = torch.cat(
-            [_log_sum_exp(hidden[start : start + rows], weight, bias, cap, columns) for start in range(0, hidden.shape[0], rows)]
-        )
-        target_logits = torch.cat(
-            [
-                _target_logits(hidden[contexts[start : start + rows]], weight, bias, cap, targets[start : start + rows])
-                for start in range(0, targets.shape[0], rows)
-            ]
-        )
-        return target_logits - log_normalizers[contexts]
+        return head_logprobs(self.lm, hidden, contexts, targets, self.head_tile)
 
     # -- choosing the path ----------------------------------------------------------------------
 
@@ -387,6 +365,42 @@ def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -
     element = torch.finfo(dtype).bits // 8
     # A row's attention scores, and its mask (4 bytes at most per key).
     return element * (6 * hidden + 3 * intermediate) + 4 * (heads + 1) * row_length
+
+
+def head_tile(device: torch.device, vocab: int, dtype: torch.dtype, memory_budget: int) -> tuple[int, int]:
+    """(contexts, vocabulary columns) per tile of the LM head, so that its logits and their float32 work fit the budget."""
+    element = torch.finfo(dtype).bits // 8
+    # F.linear's logits, a float32 copy unless they are float32 already, logsumexp's temporary.
+    per_logit = element + (4 if element != 4 else 0) + 4
+    if device.type == "cpu":
+        rows, columns = CPU_HEAD_TILE
+        columns = min(columns, vocab)
+        return max(1, min(rows, memory_budget // (columns * per_logit))), columns
+    return max(1, memory_budget // (vocab * per_logit)), vocab
+
+
+def head_logprobs(
+    lm: torch.nn.Module, hidden: torch.Tensor, contexts: torch.Tensor, targets: torch.Tensor, tile: tuple[int, int]
+) -> torch.Tensor:
+    """log p(target | context) = target logit - log-sum-exp of the context's logits, in float32.
+
+    ``hidden``: [k, hidden size] states of the contexts; ``contexts``/``targets``: [t] an index into
+    them and a token id for each log-prob wanted; ``tile``: ``head_tile``'s (contexts, columns).
+    """
+    head = lm.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    rows, columns = tile
+    log_normalizers = torch.cat(
+        [_log_sum_exp(hidden[start : start + rows], weight, bias, cap, columns) for start in range(0, hidden.shape[0], rows)]
+    )
+    target_logits = torch.cat(
+        [
+            _target_logits(hidden[contexts[start : start + rows]], weight, bias, cap, targets[start : start + rows])
+            for start in range(0, targets.shape[0], rows)
+        ]
+    )
+    return target_logits - log_normalizers[contexts]
 
 
 def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:
