@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-to", default="wandb", help="wandb, tensorboard, none, ...")
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="also save a checkpoint every this many steps (for tatblimp sweep / compare); 0: none")
     return parser.parse_args()
 
 
@@ -104,7 +106,8 @@ def main() -> None:
         warmup_steps=100,
         weight_decay=0.01,
         logging_steps=25,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=args.report_to,
         run_name="tiny-tatar",
         seed=args.seed,
