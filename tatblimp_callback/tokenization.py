@@ -62,7 +62,8 @@ def resolve_prefix_token_id(tokenizer: Any, prefix_token_id: int | None = None) 
         if candidate is not None:
             return int(candidate)
     raise TokenizationError(
-        f"tokenizer {tokenizer_name(tokenizer)} has neither a BOS nor an EOS token; pass prefix_token_id"
+        f"tokenizer {tokenizer_name(tokenizer)} has neither a BOS nor an EOS token; "
+        "pass prefix_token_id (tatblimp: --prefix-token-id)"
     )
 
 
