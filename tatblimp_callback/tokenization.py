@@ -105,10 +105,12 @@ def encode_plain(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
 def inserted_special_ids(tokenizer: Any) -> set[int]:
     """Ids of the special tokens a tokenizer may insert around a text (BOS, EOS, CLS, SEP, ...).
 
-    Hugging Face tokenizers: ``all_special_ids`` but the unknown token, which stands for text; others
-    (a raw SentencePiece model): BOS and EOS. Never an ordinary token, even one chosen as the prefix.
+    Hugging Face tokenizers: ``all_special_ids`` but the unknown token, which stands for text, and the
+    padding token, which encoding one text never adds (and which users sometimes set to an ordinary
+    token); others (a raw SentencePiece model): BOS and EOS. Never an ordinary token chosen as the prefix.
     """
-    special = set(getattr(tokenizer, "all_special_ids", None) or ()) - {getattr(tokenizer, "unk_token_id", None)}
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    special -= {getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "pad_token_id", None)}
     return (special | {tokenizer.bos_token_id, tokenizer.eos_token_id}) - {None}
 
 
