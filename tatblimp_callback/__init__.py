@@ -12,9 +12,10 @@ from .distributed import PeerFailure, this_process_only
 from .endpoint import ChatClient, EndpointError, evaluate_endpoint
 from .evaluation import Evaluator, evaluate
 from .forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
+from .loading import load_tokenizer
 from .metrics import GroupResult, PairResult, Results, compute_results
 from .scoring import ScorePath, Scorer, ScoringError
-from .tokenization import SentencePieceTokenizer, TokenizationError, load_tokenizer
+from .tokenization import SentencePieceTokenizer, TokenizationError
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -92,8 +94,9 @@ class SentenceCache:
 
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSOR_FIELDS}
         metadata = {"format": str(CACHE_FORMAT), "fields": json.dumps(self._metadata_fields())}
-        # Written aside and renamed: several processes (one per GPU) may save the same path at once.
-        partial = f"{os.fspath(path)}.{os.getpid()}.partial"
+        # Written aside and renamed: several processes (one per GPU, maybe on several hosts of a shared
+        # filesystem, where process ids repeat) may save the same path at once.
+        partial = f"{os.fspath(path)}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.partial"
         save_file(tensors, partial, metadata=metadata)
         os.replace(partial, path)
 

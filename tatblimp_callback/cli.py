@@ -17,19 +17,9 @@ import logging
 import sys
 from pathlib import Path
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that loads and scores a model."""
-    parser.add_argument("--data", help="benchmark JSONL (default: $TATBLIMP_DATA, else the Hub dataset ilchats/TatBLiMP)")
-    parser.add_argument("--allow-modified", action="store_true", help="accept a file that is not the official release")
-    parser.add_argument("--tokenizer", help="tokenizer folder or raw SentencePiece .model (default: the model's)")
-    parser.add_argument("--prefix-token-id", type=int, help="token put before each sentence (default: BOS, else EOS)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
-    parser.add_argument("--memory-budget-mb", type=int, help="extra memory one evaluation may use")
-    parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
+from .compare import add_compare_parser
+from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
+from .sweep import add_sweep_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,39 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
-    from .compare import add_compare_parser
-    from .sweep import add_sweep_parser
-
     add_sweep_parser(commands)
     add_compare_parser(commands)
     return parser
-
-
-def load_model(model_dir: str, device: str | None, dtype: str):
-    """A causal LM in eval mode on the device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-    return model.to(device).eval()
 
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
     from .data import load_benchmark
     from .evaluation import evaluate
-    from .tokenization import check_sentencepiece_mismatch, load_tokenizer
+    from .tokenization import check_sentencepiece_mismatch
 
+    source = tokenizer_source(model_dir, args.tokenizer)
+    tokenizer = load_tokenizer(source)
     model = load_model(model_dir, args.device, args.dtype)
-    tokenizer_source = args.tokenizer or model_dir
-    tokenizer = load_tokenizer(tokenizer_source)
     benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
-    if Path(tokenizer_source).is_dir():
-        mismatches = check_sentencepiece_mismatch(tokenizer_source, tokenizer, benchmark.sentences)
+    if Path(source).is_dir():
+        mismatches = check_sentencepiece_mismatch(source, tokenizer, benchmark.sentences)
     results = evaluate(
         model,
         tokenizer,
@@ -157,13 +133,13 @@ def run_forced_choice(args: argparse.Namespace) -> None:
                                     allow_modified=args.allow_modified, progress=sys.stderr.isatty())
     else:
         from .forced_choice import evaluate_forced_choice
-        from .tokenization import load_tokenizer
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
+        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
         model = load_model(args.model, args.device, args.dtype)
         results = evaluate_forced_choice(
-            model, load_tokenizer(args.tokenizer or args.model), args.data, prompt=prompt,
+            model, tokenizer, args.data, prompt=prompt,
             system_prompt=args.system_prompt, allow_modified=args.allow_modified,
             memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         )

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "tatblimp.jsonl"
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 WATCH_INTERVAL = 30.0
 SETTLE_INTERVAL = 5.0
 _STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
@@ -233,7 +233,6 @@ class _CheckpointScorer:
         self._caches: dict[str, Any] = {}  # files key -> SentenceCache
 
     def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
-        from .cli import load_model
         from .evaluation import Evaluator
 
         key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
@@ -259,7 +258,7 @@ class _CheckpointScorer:
         return record
 
     def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:
-        from .tokenization import check_sentencepiece_mismatch, load_tokenizer
+        from .tokenization import check_sentencepiece_mismatch
 
         source = self.options.tokenizer or _tokenizer_folder(path, self.run_dir)
         key = _files_key(Path(source))
@@ -414,8 +413,6 @@ def _score_or_skip_vanished(scorer: _CheckpointScorer, checkpoint: Checkpoint, r
 
 def add_sweep_parser(commands) -> None:
     """Add ``tatblimp sweep`` to the CLI's sub-commands."""
-    from .cli import add_model_arguments
-
     parser = commands.add_parser("sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl")
     parser.add_argument("run_dir", help="folder with checkpoint-<step> (or other *<step>) sub-folders")
     add_model_arguments(parser)

@@ -56,47 +56,62 @@ def _non_negative(token_id: int) -> int | None:
     return token_id if token_id >= 0 else None
 
 
-def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
-    """A raw ``SentencePieceTokenizer`` for a ``.model`` file, else ``AutoTokenizer.from_pretrained``."""
-    if str(name_or_path).endswith(".model") and Path(name_or_path).is_file():
-        return SentencePieceTokenizer(name_or_path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name_or_path)
-
-
 def resolve_prefix_token_id(tokenizer: Any, prefix_token_id: int | None = None) -> int:
     """The caller's prefix token if given, else the tokenizer's BOS, else its EOS."""
     for candidate in (prefix_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id):
         if candidate is not None:
             return int(candidate)
     raise TokenizationError(
-        f"tokenizer {tokenizer_name(tokenizer)} has neither a BOS nor an EOS token; pass prefix_token_id"
+        f"tokenizer {tokenizer_name(tokenizer)} has neither a BOS nor an EOS token; "
+        "pass prefix_token_id (tatblimp: --prefix-token-id)"
     )
 
 
 def encode_sentences(tokenizer: Any, sentences: Sequence[str], prefix_token_id: int) -> list[list[int]]:
-    """Token ids of each sentence, prefix token first; no other special token."""
-    raw = _encode_without_special_tokens(tokenizer, sentences)
-    special = {tokenizer.bos_token_id, tokenizer.eos_token_id, prefix_token_id} - {None}
+    """Token ids of each sentence, prefix token first; no special token that the tokenizer inserted.
+
+    ``prefix_token_id`` may be an ordinary token (say "."): a sentence that starts or ends with it keeps it.
+    """
     encoded = []
-    for index, (sentence, ids) in enumerate(zip(sentences, raw)):
-        ids = list(ids)
-        # Some tokenizers add BOS/EOS even when asked not to; the sentence text itself never holds them.
-        if ids and ids[0] in special:
-            ids = ids[1:]
-        if ids and ids[-1] in special:
-            ids = ids[:-1]
+    for index, (sentence, ids) in enumerate(zip(sentences, encode_plain(tokenizer, sentences))):
         if not ids:
             raise TokenizationError(f"sentence {index} encodes to no tokens: {sentence!r}")
         encoded.append([prefix_token_id, *ids])
     return encoded
 
 
-def _encode_without_special_tokens(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
+def encode_plain(tokenizer: Any, sentences: Sequence[str]) -> list[list[int]]:
+    """Token ids of each sentence without special tokens.
+
+    Asked for none, some tokenizers still add BOS/EOS; a special token at either end (see
+    ``inserted_special_ids``) is taken off, as the sentence text itself never holds one.
+    """
     if hasattr(tokenizer, "encode_batch"):
-        return tokenizer.encode_batch(sentences)
-    return tokenizer(list(sentences), add_special_tokens=False)["input_ids"]
+        raw = tokenizer.encode_batch(sentences)
+    else:
+        raw = tokenizer(list(sentences), add_special_tokens=False)["input_ids"]
+    special = inserted_special_ids(tokenizer)
+    stripped = []
+    for ids in raw:
+        ids = list(ids)
+        if ids and ids[0] in special:
+            ids = ids[1:]
+        if ids and ids[-1] in special:
+            ids = ids[:-1]
+        stripped.append(ids)
+    return stripped
+
+
+def inserted_special_ids(tokenizer: Any) -> set[int]:
+    """Ids of the special tokens a tokenizer may insert around a text (BOS, EOS, CLS, SEP, ...).
+
+    Hugging Face tokenizers: ``all_special_ids`` but the unknown token, which stands for text, and the
+    padding token, which encoding one text never adds (and which users sometimes set to an ordinary
+    token); others (a raw SentencePiece model): BOS and EOS. Never an ordinary token chosen as the prefix.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    special -= {getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "pad_token_id", None)}
+    return (special | {tokenizer.bos_token_id, tokenizer.eos_token_id}) - {None}
 
 
 def tokenizer_name(tokenizer: Any) -> str:
@@ -127,22 +142,7 @@ def compare_tokenizations(a: Any, b: Any, sentences: Sequence[str]) -> int:
     Use it to check that a converted Hugging Face tokenizer gives the ids a model was trained on,
     e.g. ``compare_tokenizations(SentencePieceTokenizer("tokenizer.model"), hf_tokenizer, sentences)``.
     """
-    first = _strip_special(a, _encode_without_special_tokens(a, sentences))
-    second = _strip_special(b, _encode_without_special_tokens(b, sentences))
-    return sum(list(x) != list(y) for x, y in zip(first, second))
-
-
-def _strip_special(tokenizer: Any, encoded: Sequence[Sequence[int]]) -> list[list[int]]:
-    special = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
-    stripped = []
-    for ids in encoded:
-        ids = list(ids)
-        if ids and ids[0] in special:
-            ids = ids[1:]
-        if ids and ids[-1] in special:
-            ids = ids[:-1]
-        stripped.append(ids)
-    return stripped
+    return sum(x != y for x, y in zip(encode_plain(a, sentences), encode_plain(b, sentences)))
 
 
 def check_sentencepiece_mismatch(folder: str | os.PathLike, tokenizer: Any, sentences: Sequence[str]) -> int | None:

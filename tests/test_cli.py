@@ -75,3 +75,91 @@ def test_modified_data_without_consent_fails_cleanly(model_dir, tmp_path, capsys
     assert "not the official TatBLiMP v1.0 release" in capsys.readouterr().err
     assert main(["score", str(model_dir), "--data", str(data), "--allow-modified"]) == 0
     assert "modified (md5" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def bare_model_dir(tmp_path_factory, bpe_tokenizer):
+    """A model folder with weights and config but no tokenizer files."""
+    folder = tmp_path_factory.mktemp("bare-model")
+    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bare_run_dir(tmp_path_factory, bare_model_dir):
+    """A run folder with one complete checkpoint and no tokenizer files anywhere."""
+    import shutil
+
+    run = tmp_path_factory.mktemp("run")
+    shutil.copytree(bare_model_dir, run / "checkpoint-5")
+    (run / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    return run
+
+
+NO_TOKENIZER_FILES = "(none of tokenizer.json, tokenizer_config.json, tokenizer.model)"
+LOADING_ERRORS = {  # case: (command line, the start of the one-line error)
+    "missing model folder": (["score", "{missing}"], "{missing}: no such model folder"),
+    "missing model folder, forced choice": (
+        ["score", "{missing}", "--protocol", "forced-choice"],
+        "{missing}: no such model folder",
+    ),
+    "a file as the model": (["score", "{model}/model.safetensors"], "{model}/model.safetensors: a file, not a model folder"),
+    "model folder without tokenizer": (
+        ["score", "{bare}"],
+        f"the model folder {{bare}} has no tokenizer {NO_TOKENIZER_FILES}; "
+        "pass --tokenizer with a tokenizer folder, a Hub id or a SentencePiece .model file",
+    ),
+    "model folder without tokenizer, forced choice": (
+        ["score", "{bare}", "--protocol", "forced-choice"],
+        f"the model folder {{bare}} has no tokenizer {NO_TOKENIZER_FILES}; pass --tokenizer",
+    ),
+    "missing tokenizer folder": (["score", "{bare}", "--tokenizer", "{missing}"], "{missing}: no such tokenizer folder"),
+    "missing sentencepiece file": (
+        ["score", "{bare}", "--tokenizer", "{missing}.model"],
+        "{missing}.model: no such SentencePiece model file",
+    ),
+    "tokenizer.json instead of its folder": (
+        ["score", "{bare}", "--tokenizer", "{model}/tokenizer.json"],
+        "{model}/tokenizer.json: a file; give the tokenizer's folder, or a SentencePiece .model file",
+    ),
+    "unknown Hub id": (
+        ["score", "no-such-org/no-such-model"],
+        "no-such-org/no-such-model: no such folder, and not loadable from the Hub",
+    ),
+    "sweep, missing tokenizer folder": (["sweep", "{run}", "--tokenizer", "{missing}"], "{missing}: no such tokenizer folder"),
+    "sweep without any tokenizer": (
+        ["sweep", "{run}"],
+        "no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model) in {run}/checkpoint-5 or {run}; "
+        "pass --tokenizer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LOADING_ERRORS)
+def test_loading_errors_say_what_is_missing(case, model_dir, bare_model_dir, bare_run_dir, tmp_path, capsys):
+    """What a new user mistypes gets one line naming the path and what is wrong with it, never a Hub validation error."""
+    args, expected = LOADING_ERRORS[case]
+    paths = {"missing": tmp_path / "no-such-folder", "model": model_dir, "bare": bare_model_dir, "run": bare_run_dir}
+    args = [arg.format(**paths) for arg in args]
+    assert main([*args, "--data", str(DATA), "--device", "cpu", *(["--no-progress"] if args[0] == "sweep" else [])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tatblimp {args[0]}: error: {expected.format(**paths)}") and len(err.splitlines()) == 1
+    assert "Repo id" not in err
+
+
+def test_the_table_names_the_tokenizer_by_the_path_given(model_dir, bare_model_dir, small_data, monkeypatch, capsys):
+    monkeypatch.chdir(model_dir.parent)
+    args = ["--data", str(small_data), "--allow-modified", "--device", "cpu"]
+    assert main(["score", str(bare_model_dir), "--tokenizer", model_dir.name, *args]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(f"  tokenizer: {model_dir.name}")
+
+
+def test_sweep_records_name_the_tokenizer_by_the_path_given(model_dir, bare_model_dir, small_data, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(bare_model_dir, tmp_path / "checkpoint-5")
+    (tmp_path / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    args = ["--data", str(small_data), "--allow-modified", "--device", "cpu", "--no-progress"]
+    assert main(["sweep", str(tmp_path), "--tokenizer", str(model_dir), *args]) == 0
+    record = json.loads((tmp_path / "tatblimp.jsonl").read_text())
+    assert record["tokenizer"] == str(model_dir) and record["step"] == 5

@@ -57,6 +57,51 @@ def test_tokenizer_that_adds_bos_itself_gets_no_second_one(bpe_tokenizer):
     assert all(ids.count(bos) == 1 for ids in encoded)
 
 
+def test_an_ordinary_prefix_token_is_kept_where_the_sentence_has_it(bpe_tokenizer):
+    """A user's prefix such as "." is not a special token: a sentence ending (or starting) with it keeps it."""
+    period = bpe_tokenizer.convert_tokens_to_ids(".")
+    plain = bpe_tokenizer(SENTENCES, add_special_tokens=False)["input_ids"]
+    assert [ids[-1] for ids in plain] == [period, period] and period not in bpe_tokenizer.all_special_ids
+    assert encode_sentences(bpe_tokenizer, SENTENCES, period) == [[period, *ids] for ids in plain]
+
+    first = plain[0][0]  # "Мин", the first token of the first sentence, as the prefix
+    encoded = encode_sentences(bpe_tokenizer, SENTENCES, first)
+    assert encoded[0] == [first, first, *plain[0][1:]] and len(encoded[0]) == len(plain[0]) + 1
+
+
+def test_an_ordinary_padding_token_is_kept_where_the_sentence_has_it(bpe_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(bpe_tokenizer)
+    tokenizer.pad_token = "."  # an ordinary token as padding: now in all_special_ids, but never inserted
+    period = tokenizer.pad_token_id
+    assert period in tokenizer.all_special_ids
+    plain = bpe_tokenizer(SENTENCES, add_special_tokens=False)["input_ids"]
+    assert encode_sentences(tokenizer, SENTENCES, tokenizer.bos_token_id) == [[tokenizer.bos_token_id, *ids] for ids in plain]
+    assert plain[0][-1] == period
+
+
+def test_an_unknown_token_at_either_end_is_kept():
+    """<unk> is one of all_special_ids, but it stands for text the vocabulary lacks: it is scored, never stripped."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "мин": 3, "барам": 4}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    assert tokenizer.unk_token_id in tokenizer.all_special_ids
+    assert encode_sentences(tokenizer, ["龍 мин барам 龍"], tokenizer.bos_token_id) == [[1, 0, 3, 4, 0]]
+
+
+def test_an_ordinary_prefix_token_is_kept_with_raw_sentencepiece():
+    tokenizer = SentencePieceTokenizer(SPM_MODEL)
+    plain = tokenizer.encode_batch(SENTENCES)
+    last = plain[0][-1]
+    assert last not in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    assert encode_sentences(tokenizer, SENTENCES[:1], last) == [[last, *plain[0]]]
+
+
 def test_raw_sentencepiece_ids():
     import sentencepiece as spm
 

@@ -1,0 +1,118 @@
+"""Loading a model and its tokenizer from a folder or the Hub, with errors that say what is missing.
+
+Shared by the commands that load a model (``tatblimp score`` and ``tatblimp sweep``), with the
+options they have in common. A name that is not an existing folder or file is taken as a Hub id
+only if it can be one; ``/data/my-model`` that does not exist is "no such folder", not a Hub error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from .tokenization import SentencePieceTokenizer
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads and scores a model."""
+    parser.add_argument("--data", help="benchmark JSONL (default: $TATBLIMP_DATA, else the Hub dataset ilchats/TatBLiMP)")
+    parser.add_argument("--allow-modified", action="store_true", help="accept a file that is not the official release")
+    parser.add_argument("--tokenizer", help="tokenizer folder or raw SentencePiece .model (default: the model's)")
+    parser.add_argument("--prefix-token-id", type=int, help="token put before each sentence (default: BOS, else EOS)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
+    parser.add_argument("--memory-budget-mb", type=int, help="extra memory one evaluation may use")
+    parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
+
+
+def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
+    """The folder ``name`` names, or None when it is a Hub id; FileNotFoundError when it is neither.
+
+    ``what`` ("model", "tokenizer") goes into the error message.
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"{name}: a file, not a {what} folder")
+    try:
+        validate_repo_id(str(name))
+    except HFValidationError:
+        raise FileNotFoundError(f"{name}: no such {what} folder") from None
+    return None
+
+
+def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32"):
+    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``.
+
+    ``device`` None: cuda if available, else cpu. ``dtype``: one of ``DTYPES``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = check_folder_or_hub_id(name_or_path, "model")
+    if folder is not None and not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
+    """A raw ``SentencePieceTokenizer`` for a ``.model`` file, else ``AutoTokenizer.from_pretrained``.
+
+    The tokenizer's ``name_or_path`` is ``name_or_path`` as given, so results name the tokenizer used.
+    """
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix == ".model":
+        return SentencePieceTokenizer(name_or_path)
+    if path.suffix == ".model" and not path.exists():
+        raise FileNotFoundError(f"{name_or_path}: no such SentencePiece model file")
+    if path.is_file():
+        raise FileNotFoundError(f"{name_or_path}: a file; give the tokenizer's folder, or a SentencePiece .model file")
+    folder = check_folder_or_hub_id(name_or_path, "tokenizer")
+    if folder is not None and not has_tokenizer_files(folder):
+        raise FileNotFoundError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_folder_or_hub(AutoTokenizer.from_pretrained, name_or_path, folder)
+    tokenizer.name_or_path = str(name_or_path)
+    return tokenizer
+
+
+def _from_folder_or_hub(from_pretrained, name_or_path, folder: Path | None, **kwargs):
+    try:
+        return from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        if folder is not None:
+            raise
+        raise OSError(f"{name_or_path}: no such folder, and not loadable from the Hub: {err}") from err
+
+
+def has_tokenizer_files(folder: str | os.PathLike) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_source(model: str, tokenizer: str | None) -> str:
+    """Where a command's tokenizer comes from: ``--tokenizer`` if given, else the model's own folder or Hub id.
+
+    Checks ``model`` first, so that a missing model folder is reported as such.
+    """
+    model_folder = check_folder_or_hub_id(model, "model")
+    if tokenizer is not None:
+        return tokenizer
+    if model_folder is not None and not has_tokenizer_files(model_folder):
+        raise FileNotFoundError(
+            f"the model folder {model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "pass --tokenizer with a tokenizer folder, a Hub id or a SentencePiece .model file"
+        )
+    return model
