@@ -328,53 +328,16 @@ def test_without_openai_the_error_names_the_extra(monkeypatch, capsys):
 def test_cli_endpoint_end_to_end(model, chat_tokenizer, ep_data, local, tmp_path, capsys):
     out, answers = tmp_path / "ep.json", tmp_path / "answers.jsonl"
     with ChatServer(model, chat_tokenizer) as server:
-        code = main(
-            [
-                "score",
-                "--endpoint",
-                server.url,
-                "--model-name",
-                "tiny-chat",
-                "--protocol",
-                "forced-choice",
-                "--data",
-                str(ep_data),
-                "--allow-modified",
-                "--extra-body",
-                json.dumps(GUIDED),
-                "--results",
-                str(answers),
-                "--concurrency",
-                "4",
-                "--output",
-                str(out),
-            ]
-        )
+        command = ["score", "--endpoint", server.url, "--model-name", "tiny-chat", "--protocol", "forced-choice"]
+        command += ["--data", str(ep_data), "--allow-modified", "--results", str(answers)]
+        code = main([*command, "--extra-body", json.dumps(GUIDED), "--concurrency", "4", "--output", str(out)])
         assert code == 0, capsys.readouterr().err
         assert "32 items (16 pairs x 2 orderings)" in capsys.readouterr().out
         payload = json.loads(out.read_text(encoding="utf-8"))
         assert payload["accuracy"] == local.accuracy and payload["both_orders"] == local.both_orders
         assert payload["model"] == "tiny-chat" and payload["requests"] == 32
         # Rerun: every answer is in the results file, so nothing is asked.
-        assert (
-            main(
-                [
-                    "score",
-                    "--endpoint",
-                    server.url,
-                    "--model-name",
-                    "tiny-chat",
-                    "--protocol",
-                    "forced-choice",
-                    "--data",
-                    str(ep_data),
-                    "--allow-modified",
-                    "--results",
-                    str(answers),
-                ]
-            )
-            == 0
-        )
+        assert main(command) == 0
         assert len(server.requests) == 32
     assert main(["score", "--endpoint", server.url, "--protocol", "forced-choice", "--data", str(ep_data)]) == 1
     assert "--endpoint needs --model-name" in capsys.readouterr().err
