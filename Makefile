@@ -1,11 +1,12 @@
 # Two commands on a fresh machine: `make demo` (the tiny Tatar training run with the callback)
-# and `make test`. Both create .venv and install into it first.
+# and `make test`. Both create .venv and install into it first. CI (.ci/run) also runs
+# `make lint` and `make package-check` (the wheel installed and used as users get it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SHARED ?= ../shared
 
-.PHONY: install demo test bench
+.PHONY: install demo test lint format package-check bench
 
 $(BIN)/tatblimp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,18 @@ demo: install
 
 test: install
 	TATBLIMP_SHARED=$(abspath $(SHARED)) $(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# What `make lint` checks, fixed where ruff can.
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+package-check: install
+	PYTHON=$(abspath $(BIN)/python) SHARED=$(abspath $(SHARED)) bash .ci/check_package.sh
 
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'

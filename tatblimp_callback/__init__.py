@@ -17,7 +17,7 @@ from .metrics import GroupResult, PairResult, Results, compute_results
 from .scoring import ScorePath, Scorer, ScoringError
 from .tokenization import SentencePieceTokenizer, TokenizationError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = [
     "Benchmark",

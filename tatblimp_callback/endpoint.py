@@ -5,11 +5,13 @@ reply's text is parsed strictly: after stripping white space (and one trailing `
 exactly ``A`` or ``B``. Anything else counts as wrong and is counted as ``unparsed``, as is a 200
 reply that is not a chat completion at all.
 
-Requests run in a bounded pool of threads. Connection errors, timeouts, 408, 429 and 5xx replies
-are retried with exponential backoff a bounded number of times; any other 4xx reply (a wrong
-model name, a rejected option) stops the run at once. With ``results_path`` every answer is
-appended to a JSON Lines file as it arrives, and a rerun skips the items already there, so an
-interrupted or partly failed run is resumed, not repeated.
+Requests go through the official ``openai`` client (``pip install 'tatblimp-callback[endpoint]'``),
+from a bounded pool of threads sharing one client. The client retries connection errors,
+timeouts, 408, 409, 429 and 5xx replies a bounded number of times with exponential backoff (or
+as long as the server's ``Retry-After`` says); any other 4xx reply (a wrong model name, a
+rejected option) stops the run at once. With ``results_path`` every answer is appended to a
+JSON Lines file as it arrives, and a rerun skips the items already there, so an interrupted or
+partly failed run is resumed, not repeated.
 """
 
 from __future__ import annotations
@@ -20,11 +22,8 @@ import os
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
-from http.client import HTTPException
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,10 @@ logger = logging.getLogger(__name__)
 
 RESULTS_FORMAT = 1
 _ANSWER = re.compile(r"\s*([AB])\.?\s*")
-_RETRY_STATUS = {408, 429}
-_MAX_BACKOFF = 30.0
+# The statuses the openai client retries; a reply with any other 4xx is the request's fault.
+_RETRIED_STATUS = {408, 409, 429}
+# Sent when no key is given or set: keyless servers (vLLM, llama.cpp without --api-key) ignore it.
+NO_KEY = "EMPTY"
 
 
 class EndpointError(RuntimeError):
@@ -52,7 +53,7 @@ class EndpointError(RuntimeError):
 
 
 class EndpointRejected(EndpointError):
-    """A 4xx reply other than 408/429: the request itself is wrong, so no other item is asked."""
+    """A 4xx reply other than 408/409/429: the request itself is wrong, so no other item is asked."""
 
 
 def parse_answer(text: str | None) -> str | None:
@@ -61,68 +62,92 @@ def parse_answer(text: str | None) -> str | None:
     return match.group(1) if match else None
 
 
+def _import_openai():
+    try:
+        import openai
+    except ImportError as err:
+        raise ImportError("the endpoint protocol needs the openai client: pip install 'tatblimp-callback[endpoint]'") from err
+    return openai
+
+
 @dataclass
 class ChatClient:
-    """Sends one chat-completions request, with bounded retries.
+    """Sends chat-completions requests through one ``openai.OpenAI`` client, safe to share between threads.
 
     Args:
-        url: the server's base URL (``http://host:8000/v1``) or the full ``.../chat/completions`` URL.
+        url: the server's base URL (``http://host:8000/v1``) or the full ``.../chat/completions`` URL;
+            None: ``$OPENAI_BASE_URL``, else OpenAI's own API, as the openai client decides.
         model_name: the ``model`` field of each request.
-        api_key: sent as ``Authorization: Bearer``; None: no header.
+        api_key: sent as ``Authorization: Bearer``; None: ``$OPENAI_API_KEY``, else a placeholder
+            that keyless servers ignore. Never printed or logged.
         max_tokens: the reply's token limit; a letter needs one, a little more lets a chatty reply
             show up as unparsed instead of cut to a letter.
         temperature: 0 for greedy answers.
         extra_body: more request fields, e.g. vLLM's ``{"guided_choice": ["A", "B"]}``.
-        timeout: seconds per request.
-        max_retries: retries of one request after a connection error, timeout, 408, 429 or 5xx.
-        backoff: seconds before the first retry, doubled for each next one (at most 30 s).
+        timeout: seconds per attempt.
+        max_retries: the openai client's retries of one request after a connection error, timeout,
+            408, 409, 429 or 5xx; it waits 0.5 s before the first, doubling up to 8 s, or what the
+            server's ``Retry-After`` header asks.
     """
 
-    url: str
+    url: str | None
     model_name: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_tokens: int = 8
     temperature: float = 0.0
     extra_body: dict[str, Any] | None = None
     timeout: float = 60.0
     max_retries: int = 4
-    backoff: float = 1.0
 
     def __post_init__(self):
-        base = self.url.rstrip("/")
-        self.endpoint = base if base.endswith("/chat/completions") else base + "/chat/completions"
-        if not self.endpoint.startswith(("http://", "https://")):
-            raise EndpointError(f"endpoint URL must start with http:// or https://, got {self.url!r}")
+        openai = _import_openai()
+        base_url = None
+        if self.url is not None:
+            base_url = self.url.rstrip("/").removesuffix("/chat/completions")
+            if not base_url.startswith(("http://", "https://")):
+                raise EndpointError(f"endpoint URL must start with http:// or https://, got {self.url!r}")
         self.retries = 0  # retries done, over all requests
         self._lock = threading.Lock()
+        self._attempts = threading.local()  # attempts of the request this thread is sending
+        # The sync client calls its hooks in the thread that sends, once per attempt.
+        http_client = openai.DefaultHttpxClient(event_hooks={"request": [self._count_attempt]})
+        self._client = openai.OpenAI(
+            base_url=base_url,
+            api_key=self.api_key or os.environ.get("OPENAI_API_KEY") or NO_KEY,
+            timeout=self.timeout,
+            max_retries=self.max_retries,
+            http_client=http_client,
+        )
+        self.endpoint = str(self._client.base_url).rstrip("/") + "/chat/completions"
+        self._openai = openai
+
+    def _count_attempt(self, request) -> None:
+        self._attempts.count = getattr(self._attempts, "count", 0) + 1
 
     def ask(self, messages: list[dict]) -> str:
         """The reply's text (``choices[0].message.content``); for a 200 reply that is no chat completion, its body."""
-        body = {"model": self.model_name, "messages": messages, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, **(self.extra_body or {})}
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        attempt = 0
-        while True:
-            try:
-                request = urllib.request.Request(self.endpoint, data=data, headers=headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return _reply_text(response.read())
-            except urllib.error.HTTPError as err:
-                detail = err.read()[:300].decode("utf-8", "replace")
-                if err.code < 500 and err.code not in _RETRY_STATUS:
-                    raise EndpointRejected(f"{self.endpoint} answered HTTP {err.code}: {detail}") from None
-                problem = f"HTTP {err.code}: {detail}"
-            except (urllib.error.URLError, HTTPException, OSError) as err:  # refused, reset, timeout, cut reply
-                problem = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-            if attempt >= self.max_retries:
-                raise EndpointError(f"{self.endpoint}: giving up after {attempt + 1} attempts; last error {problem}")
+        self._attempts.count = 0
+        try:
+            # The raw reply: a 200 whose body is not a chat completion is an answer too (counted unparsed).
+            response = self._client.chat.completions.with_raw_response.create(
+                model=self.model_name,
+                messages=messages,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                extra_body=self.extra_body,
+            )
+            return _reply_text(response.http_response.content)
+        except self._openai.APIStatusError as err:
+            detail = err.response.content[:300].decode("utf-8", "replace")
+            if err.status_code < 500 and err.status_code not in _RETRIED_STATUS:
+                raise EndpointRejected(f"{self.endpoint} answered HTTP {err.status_code}: {detail}") from None
+            problem = f"HTTP {err.status_code}: {detail}"
+        except self._openai.APIConnectionError as err:  # refused, reset, timed out, cut reply
+            problem = f"{type(err).__name__}: {err.__cause__ or err}"
+        finally:
             with self._lock:
-                self.retries += 1
-            time.sleep(min(self.backoff * 2**attempt, _MAX_BACKOFF))
-            attempt += 1
+                self.retries += max(self._attempts.count - 1, 0)
+        raise EndpointError(f"{self.endpoint}: giving up after {self._attempts.count} attempts; last error {problem}")
 
 
 def _reply_text(raw: bytes) -> str:
@@ -155,8 +180,13 @@ def evaluate_endpoint(
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     benchmark = data if isinstance(data, Benchmark) else load_benchmark(data, allow_modified=allow_modified)
     conversations = all_item_messages(benchmark, prompt, system_prompt)
-    header = {"tatblimp_forced_choice": RESULTS_FORMAT, "model": client.model_name, "benchmark_md5": benchmark.md5,
-              "prompt": prompt, "system_prompt": system_prompt}
+    header = {
+        "tatblimp_forced_choice": RESULTS_FORMAT,
+        "model": client.model_name,
+        "benchmark_md5": benchmark.md5,
+        "prompt": prompt,
+        "system_prompt": system_prompt,
+    }
     texts: dict[int, str] = _load_results(Path(results_path), header, len(conversations)) if results_path else {}
     resumed = len(texts)
     pending = [k for k in range(len(conversations)) if k not in texts]
@@ -186,8 +216,14 @@ def evaluate_endpoint(
                     failed.append((k, str(err)))
                     continue
                 if sink is not None:
-                    sink.write(json.dumps({"item": k, "pair": k // 2, "order": ORDERS[k % 2], "text": texts[k],
-                                           "answer": parse_answer(texts[k])}, ensure_ascii=False) + "\n")
+                    record = {
+                        "item": k,
+                        "pair": k // 2,
+                        "order": ORDERS[k % 2],
+                        "text": texts[k],
+                        "answer": parse_answer(texts[k]),
+                    }
+                    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
                     sink.flush()
                 if bar is not None:
                     bar.update(1)
@@ -204,12 +240,26 @@ def evaluate_endpoint(
     items = []
     for k in range(len(conversations)):
         answer = parse_answer(texts[k])
-        items.append(ChoiceItem(pair=k // 2, order=ORDERS[k % 2], expected=LETTERS[k % 2], answer=answer,
-                                note=None if answer else "unparsed", text=texts[k]))
-    extra = {"endpoint": client.endpoint, "seconds": time.perf_counter() - start, "requests": len(pending),
-             "resumed_items": resumed, "retries": client.retries}
-    return compute_choice_results(benchmark, items, model=client.model_name, prompt=prompt,
-                                  system_prompt=system_prompt, extra=extra)
+        items.append(
+            ChoiceItem(
+                pair=k // 2,
+                order=ORDERS[k % 2],
+                expected=LETTERS[k % 2],
+                answer=answer,
+                note=None if answer else "unparsed",
+                text=texts[k],
+            )
+        )
+    extra = {
+        "endpoint": client.endpoint,
+        "seconds": time.perf_counter() - start,
+        "requests": len(pending),
+        "resumed_items": resumed,
+        "retries": client.retries,
+    }
+    return compute_choice_results(
+        benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, extra=extra
+    )
 
 
 def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:

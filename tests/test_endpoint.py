@@ -1,9 +1,13 @@
-"""The chat-completions client, against a loopback server that answers from a real tiny chat model."""
+"""The chat-completions client (the real openai client), against a loopback server that answers from a real tiny chat model."""
 
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -34,12 +38,15 @@ class ChatServer:
 
     Greedy ``model.generate`` on the chat-templated messages; with vLLM's ``guided_choice`` in the
     request, generation is restricted to those answers' tokens. ``fault(number, body)`` may return
-    ``(status, body_bytes)`` to answer a request (numbered from 0) with something else.
+    ``(status, body_bytes)`` to answer a request (numbered from 0) with something else. Every error
+    reply carries ``Retry-After-Ms: 10``, as a loaded server says when to come back: the openai
+    client honours it, which keeps the tests' retries short.
     """
 
     def __init__(self, model, tokenizer, fault=None):
         self.model, self.tokenizer, self.fault = model, tokenizer, fault
         self.requests: list[dict] = []
+        self.authorizations: list[str | None] = []  # the Authorization header of each request
         self.replies: dict[str, str] = {}  # user message -> generated text
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
@@ -81,6 +88,7 @@ class ChatServer:
                 with server.lock:
                     number = len(server.requests)
                     server.requests.append(body)
+                    server.authorizations.append(self.headers.get("Authorization"))
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
                 try:
@@ -88,11 +96,16 @@ class ChatServer:
                 finally:
                     with server.lock:  # before replying: the client may send its next request at once
                         server.in_flight -= 1
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    if status != 200:
+                        self.send_header("Retry-After-Ms", "10")
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+                    pass
 
             def _answer(self, body, number) -> tuple[int, bytes]:
                 fault = server.fault(number, body) if server.fault else None
@@ -104,8 +117,11 @@ class ChatServer:
                     else:
                         text = server.generate(body)
                         server.replies[body["messages"][-1]["content"]] = text
-                        reply = {"object": "chat.completion", "model": body["model"],
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+                        reply = {
+                            "object": "chat.completion",
+                            "model": body["model"],
+                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+                        }
                         status, payload = 200, json.dumps(reply).encode()
                 return status, payload
 
@@ -139,8 +155,9 @@ def test_endpoint_answers_equal_local_forced_choice(model, chat_tokenizer, ep_da
 
 def test_free_generation_is_parsed_strictly_and_counted(model, chat_tokenizer, ep_data):
     with ChatServer(model, chat_tokenizer) as server:
-        results = evaluate_endpoint(ChatClient(server.url, "tiny-chat", max_tokens=3), ep_data, concurrency=3,
-                                    allow_modified=True)
+        results = evaluate_endpoint(
+            ChatClient(server.url, "tiny-chat", max_tokens=3), ep_data, concurrency=3, allow_modified=True
+        )
     # Each item's answer is exactly the parse of what the model generated for that prompt.
     texts = [server.replies[item_prompt] for item_prompt in _user_messages(ep_data)]
     assert [i.text for i in results.items] == texts
@@ -158,13 +175,32 @@ def _user_messages(data) -> list[str]:
     return [m[-1]["content"] for m in all_item_messages(load_benchmark(data, allow_modified=True))]
 
 
-def test_a_500_is_retried(model, chat_tokenizer, ep_data, local):
-    fault = lambda number, body: (500, b"overloaded") if number == 0 else None  # noqa: E731
+def test_408_429_and_5xx_are_retried(model, chat_tokenizer, ep_data, local):
+    statuses = {0: 500, 1: 408, 2: 429, 3: 502}
+    fault = lambda number, body: (statuses[number], b"overloaded") if number in statuses else None  # noqa: E731
     with ChatServer(model, chat_tokenizer, fault) as server:
-        client = ChatClient(server.url, "tiny-chat", extra_body=GUIDED, backoff=0.01)
-        results = evaluate_endpoint(client, ep_data, concurrency=2, allow_modified=True)
-    assert len(server.requests) == 33 and client.retries == 1 and results.extra["retries"] == 1
+        client = ChatClient(server.url, "tiny-chat", extra_body=GUIDED)
+        results = evaluate_endpoint(client, ep_data, concurrency=1, allow_modified=True)
+    # One at a time: the first item is refused four times, then answered.
+    assert len(server.requests) == 36 and client.retries == 4 and results.extra["retries"] == 4
+    assert server.requests[4] == server.requests[0]
     assert [i.answer for i in results.items] == [i.answer for i in local.items]
+
+
+def test_a_reply_slower_than_the_timeout_is_retried(model, chat_tokenizer, ep_data):
+    answer_a = json.dumps({"choices": [{"message": {"role": "assistant", "content": "A"}}]}).encode()
+
+    def fault(number, body):  # every reply "A" at once, without the model, except the first
+        if number == 0:
+            time.sleep(3.0)  # the client gave up on this attempt after 1 s
+        return 200, answer_a
+
+    with ChatServer(model, chat_tokenizer, fault) as server:
+        client = ChatClient(server.url, "tiny-chat", timeout=1.0)
+        results = evaluate_endpoint(client, ep_data, concurrency=1, allow_modified=True)
+    assert len(server.requests) == 33 and client.retries == 1
+    assert server.requests[1] == server.requests[0]
+    assert [i.answer for i in results.items] == ["A"] * 32 and results.accuracy == 0.5
 
 
 def test_garbage_replies_are_counted_unparsed(model, chat_tokenizer, ep_data, local):
@@ -196,8 +232,10 @@ def test_results_file_resumes_failed_items(model, chat_tokenizer, ep_data, local
     broken = set(prompts[:6])  # items 0-5 fail on every attempt in the first run
     fault = lambda number, body: (503, b"down") if body["messages"][-1]["content"] in broken else None  # noqa: E731
     with ChatServer(model, chat_tokenizer, fault) as server:
-        client = ChatClient(server.url, "tiny-chat", extra_body=GUIDED, max_retries=2, backoff=0.01)
-        with pytest.raises(EndpointError, match=r"6 of 32 items failed \(item 0: .*giving up after 3 attempts; last error HTTP 503"):
+        client = ChatClient(server.url, "tiny-chat", extra_body=GUIDED, max_retries=2)
+        with pytest.raises(
+            EndpointError, match=r"6 of 32 items failed \(item 0: .*giving up after 3 attempts; last error HTTP 503"
+        ):
             evaluate_endpoint(client, ep_data, results_path=results_path, concurrency=4, allow_modified=True)
     assert len(server.requests) == 26 + 6 * 3
     lines = results_path.read_text(encoding="utf-8").splitlines()
@@ -206,8 +244,9 @@ def test_results_file_resumes_failed_items(model, chat_tokenizer, ep_data, local
     with results_path.open("a", encoding="utf-8") as handle:
         handle.write('{"item": 31, "pair": 15, "te')
     with ChatServer(model, chat_tokenizer) as server:
-        results = evaluate_endpoint(ChatClient(server.url, "tiny-chat", extra_body=GUIDED), ep_data,
-                                    results_path=results_path, allow_modified=True)
+        results = evaluate_endpoint(
+            ChatClient(server.url, "tiny-chat", extra_body=GUIDED), ep_data, results_path=results_path, allow_modified=True
+        )
     assert len(server.requests) == 6 and results.extra["resumed_items"] == 26 and results.extra["requests"] == 6
     assert [i.answer for i in results.items] == [i.answer for i in local.items]
     assert len(results_path.read_text(encoding="utf-8").splitlines()) == 1 + 32
@@ -218,37 +257,87 @@ def test_results_file_resumes_failed_items(model, chat_tokenizer, ep_data, local
 
 def test_a_rejected_request_stops_the_run(model, chat_tokenizer, ep_data):
     with ChatServer(model, chat_tokenizer) as server:
-        with pytest.raises(EndpointRejected, match="answered HTTP 404"):
-            evaluate_endpoint(ChatClient(server.url, "no-such-model"), ep_data, concurrency=2, allow_modified=True)
-    assert len(server.requests) < 32
+        client = ChatClient(server.url, "no-such-model")
+        with pytest.raises(EndpointRejected, match=r"/v1/chat/completions answered HTTP 404: \{\"error\": \"no such model"):
+            evaluate_endpoint(client, ep_data, concurrency=2, allow_modified=True)
+    # Not retried, and the items not yet sent are not asked.
+    assert len(server.requests) < 32 and client.retries == 0
 
 
 def test_connection_refused_is_retried_then_reported(ep_data):
-    import socket
-
     with socket.socket() as probe:  # a free port with nothing listening
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    client = ChatClient(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff=0.01, timeout=5)
-    with pytest.raises(EndpointError, match=r"32 of 32 items failed .*giving up after 2 attempts; last error URLError"):
-        evaluate_endpoint(client, ep_data, allow_modified=True)
+    client = ChatClient(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, timeout=5)
+    # All 32 at once: each waits its one backoff (about 0.5 s) in parallel.
+    with pytest.raises(EndpointError, match=r"32 of 32 items failed .*giving up after 2 attempts; last error APIConnectionError"):
+        evaluate_endpoint(client, ep_data, concurrency=32, allow_modified=True)
     assert client.retries == 32
+
+
+SECRET = "sk-tatblimp-test-0123456789abcdef"
+
+
+def test_api_key_is_sent_but_never_printed_or_logged(model, chat_tokenizer, ep_data, tmp_path, caplog, capsys):
+    def fault(number, body):
+        return (503, b"busy") if number == 0 else (401, b'{"error": "invalid key"}') if number == 2 else None
+
+    caplog.set_level(logging.DEBUG)  # every logger, the openai client's and its transport's included
+    with ChatServer(model, chat_tokenizer, fault) as server:
+        client = ChatClient(server.url, "tiny-chat", api_key=SECRET, extra_body=GUIDED)
+        with pytest.raises(EndpointRejected, match="answered HTTP 401") as failure:
+            evaluate_endpoint(client, ep_data, concurrency=1, results_path=tmp_path / "answers.jsonl", allow_modified=True)
+    assert server.authorizations[:3] == [f"Bearer {SECRET}"] * 3
+    assert "Retrying request" in caplog.text  # the client's debug log was captured, and it holds no key
+    captured = capsys.readouterr()
+    printed = [
+        caplog.text,
+        captured.out,
+        captured.err,
+        str(failure.value),
+        repr(client),
+        (tmp_path / "answers.jsonl").read_text(),
+    ]
+    assert not [text for text in printed if SECRET in text]
+
+
+def test_base_url_and_key_from_the_environment(model, chat_tokenizer, ep_data, local, monkeypatch):
+    with ChatServer(model, chat_tokenizer) as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.url)
+        monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+        client = ChatClient(None, "tiny-chat", extra_body=GUIDED)
+        results = evaluate_endpoint(client, ep_data, allow_modified=True)
+        assert client.endpoint == server.url + "/chat/completions"
+        assert set(server.authorizations) == {f"Bearer {SECRET}"}
+        # A key given explicitly wins; with none at all, keyless servers get a placeholder.
+        ChatClient(None, "tiny-chat", api_key="sk-other").ask([{"role": "user", "content": "A or B?"}])
+        monkeypatch.delenv("OPENAI_API_KEY")
+        ChatClient(server.url, "tiny-chat").ask([{"role": "user", "content": "A or B?"}])
+    assert server.authorizations[-2:] == ["Bearer sk-other", "Bearer EMPTY"]
+    assert [i.answer for i in results.items] == [i.answer for i in local.items]
+
+
+def test_without_openai_the_error_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "openai", None)  # what `import openai` does where it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'tatblimp-callback\[endpoint\]'"):
+        ChatClient("http://127.0.0.1:9/v1", "m")
+    assert main(["score", "--endpoint", "http://127.0.0.1:9/v1", "--model-name", "m", "--protocol", "forced-choice"]) == 1
+    assert "needs the openai client: pip install 'tatblimp-callback[endpoint]'" in capsys.readouterr().err
 
 
 def test_cli_endpoint_end_to_end(model, chat_tokenizer, ep_data, local, tmp_path, capsys):
     out, answers = tmp_path / "ep.json", tmp_path / "answers.jsonl"
     with ChatServer(model, chat_tokenizer) as server:
-        code = main(["score", "--endpoint", server.url, "--model-name", "tiny-chat", "--protocol", "forced-choice",
-                     "--data", str(ep_data), "--allow-modified", "--extra-body", json.dumps(GUIDED),
-                     "--results", str(answers), "--concurrency", "4", "--output", str(out)])
+        command = ["score", "--endpoint", server.url, "--model-name", "tiny-chat", "--protocol", "forced-choice"]
+        command += ["--data", str(ep_data), "--allow-modified", "--results", str(answers)]
+        code = main([*command, "--extra-body", json.dumps(GUIDED), "--concurrency", "4", "--output", str(out)])
         assert code == 0, capsys.readouterr().err
         assert "32 items (16 pairs x 2 orderings)" in capsys.readouterr().out
         payload = json.loads(out.read_text(encoding="utf-8"))
         assert payload["accuracy"] == local.accuracy and payload["both_orders"] == local.both_orders
         assert payload["model"] == "tiny-chat" and payload["requests"] == 32
         # Rerun: every answer is in the results file, so nothing is asked.
-        assert main(["score", "--endpoint", server.url, "--model-name", "tiny-chat", "--protocol", "forced-choice",
-                     "--data", str(ep_data), "--allow-modified", "--results", str(answers)]) == 0
+        assert main(command) == 0
         assert len(server.requests) == 32
     assert main(["score", "--endpoint", server.url, "--protocol", "forced-choice", "--data", str(ep_data)]) == 1
     assert "--endpoint needs --model-name" in capsys.readouterr().err
