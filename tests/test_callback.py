@@ -35,7 +35,7 @@ class Reporter(TrainerCallback):
 def test_scores_at_start_every_n_steps_and_at_the_end(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=2)
     reporter = Reporter()
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [reporter, cb])
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [reporter, cb], attach=True)
     trainer.train()
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [0, 2, 4, 5]
