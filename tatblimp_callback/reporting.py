@@ -118,14 +118,14 @@ def results_table(results: Results) -> tuple[list[str], list[list[Any]]]:
 
 def console_line(step: int, metrics: dict[str, float], prefix: str) -> str:
     """One line per evaluation: step, acc, acc_norm (and forced-choice accuracy), seconds."""
-    parts = [f"{prefix} step {step}:"]
+    parts = []
     if f"{prefix}/acc" in metrics:
         parts.append(f"acc {metrics[f'{prefix}/acc']:.4f}  acc_norm {metrics[f'{prefix}/acc_norm']:.4f}")
     if f"{prefix}_fc/accuracy" in metrics:
         parts.append(f"forced-choice accuracy {metrics[f'{prefix}_fc/accuracy']:.4f}")
     seconds = sum(v for k, v in metrics.items() if k.endswith("/eval_seconds"))
     parts.append(f"({seconds:.1f} s)")
-    return "  ".join(parts)
+    return f"{prefix} step {step}: " + "  ".join(parts)
 
 
 def print_line(line: str) -> None:
