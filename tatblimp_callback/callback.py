@@ -149,6 +149,7 @@ class TatBLiMPCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         self._start_run(state.log_history)
+        self._trainer = self._running_trainer(state)
         if not self.eval_on_evaluate and self._is_our_metric(args.metric_for_best_model):
             raise ValueError(
                 f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
@@ -157,7 +158,7 @@ class TatBLiMPCallback(TrainerCallback):
             self._history_file = reporting.HistoryFile.resolve(self.history_file, args.output_dir)
             if self._history_file is not None:
                 self._history_file.start({entry["step"] for entry in self.history})
-            missed = reporting.unreachable_reporters(args, self.trainer)
+            missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
                 self._warned_unreachable = True
                 logger.warning(
@@ -216,7 +217,18 @@ class TatBLiMPCallback(TrainerCallback):
         self.acquisition = {}
         self._finished = False
         self._history_file = None
+        self._trainer = None
         self._wandb.reset()
+
+    def _running_trainer(self, state):
+        """``trainer``, if it is the one running this callback (not one it was attached to before)."""
+        if self.trainer is None:
+            return None
+        if self.trainer.state is not state:
+            logger.warning("tatblimp: the callback's trainer= does not hold it (another Trainer runs it); "
+                           "its results reach state.log_history, wandb, the console and the history file only")
+            return None
+        return self.trainer
 
     def _is_our_metric(self, name: str | None) -> bool:
         return (name or "").removeprefix("eval_").startswith((f"{self.log_prefix}/", f"{self.log_prefix}_fc/"))
@@ -258,7 +270,7 @@ class TatBLiMPCallback(TrainerCallback):
         """The end of training: acquisition steps, and the wandb table and summary."""
         self._finished = True
         self.acquisition = acquisition_steps(self.history, self.acquisition_threshold, prefix=self.log_prefix)
-        wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self.trainer)
+        wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
             self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
 
@@ -319,9 +331,9 @@ class TatBLiMPCallback(TrainerCallback):
         """One evaluation, once, to every destination (see ``reporting``)."""
         step = state.global_step
         state.log_history.append({**metrics, "step": step})
-        if self.trainer is not None:
-            self._guarded(reporting.log_to_trainer_callbacks, self.trainer, self, args, state, control, metrics)
-        if reporting.reports_to_wandb(args, self.trainer):
+        if self._trainer is not None:
+            self._guarded(reporting.log_to_trainer_callbacks, self._trainer, self, args, state, control, metrics)
+        if reporting.reports_to_wandb(args, self._trainer):
             self._guarded(self._wandb.log, metrics, step)
         if results is not None and self._history_file is not None:
             self._guarded(self._history_file.append, step, results)
