@@ -150,12 +150,12 @@ class TatBLiMPCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         self._start_run(state.log_history)
         self._trainer = self._running_trainer(state)
-        if not self.eval_on_evaluate and self._is_our_metric(args.metric_for_best_model):
+        if not self.eval_on_evaluate and self._is_our_metric(getattr(args, "metric_for_best_model", None)):
             raise ValueError(
                 f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
             )
         if state.is_world_process_zero:
-            self._history_file = reporting.HistoryFile.resolve(self.history_file, args.output_dir)
+            self._history_file = reporting.HistoryFile.resolve(self.history_file, getattr(args, "output_dir", None))
             if self._history_file is not None:
                 self._history_file.start({entry["step"] for entry in self.history})
             missed = reporting.unreachable_reporters(args, self._trainer)
@@ -185,7 +185,7 @@ class TatBLiMPCallback(TrainerCallback):
             return
         metrics = self._score(args, state, control, model)
         logs.update({f"eval_{key}": value for key, value in metrics.items()})
-        wanted = args.metric_for_best_model
+        wanted = getattr(args, "metric_for_best_model", None)
         if self._is_our_metric(wanted) and not wanted.startswith("eval_"):
             wanted = f"eval_{wanted}"
         if self._is_our_metric(wanted) and not self._has_results(metrics):

@@ -144,12 +144,9 @@ class HistoryFile:
 
     @classmethod
     def resolve(cls, setting: str | os.PathLike | None, output_dir: str | None) -> HistoryFile | None:
-        if setting is None:
+        if setting is None or (output_dir is None and not Path(setting).is_absolute()):
             return None
-        path = Path(setting)
-        if not path.is_absolute():
-            path = Path(output_dir or ".") / path
-        return cls(path)
+        return cls(Path(output_dir or "") / setting)
 
     def start(self, kept_steps: set[int]) -> None:
         """Keep only the lines of ``kept_steps`` (a resumed run's steps up to its checkpoint; none for a new run)."""
