@@ -77,7 +77,7 @@ def test_failures_continue_across_a_resume(bpe_tokenizer, tmp_path):
 
 
 class Order(TrainerCallback):
-    """Records the global steps at which EarlyStoppingCallback has already seen our metric in on_evaluate."""
+    """Records what every on_evaluate (EarlyStoppingCallback's among them) sees of the TatBLiMP metric."""
 
     def __init__(self):
         self.seen = []

@@ -108,7 +108,8 @@ wandb.finish()
 
 def wandb_records(run_dir: str) -> list[dict]:
     wandb_bin = str(Path(sys.executable).parent / "wandb")
-    done = subprocess.run([wandb_bin, "leet", "inspect", "--json", run_dir], check=False, capture_output=True, text=True, timeout=120)
+    command = [wandb_bin, "leet", "inspect", "--json", run_dir]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
@@ -116,7 +117,8 @@ def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp
     script = WANDB_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": "tatblimp-test",
            "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")}
-    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env, timeout=300,
+                          stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = [line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR=")]
 
@@ -131,7 +133,8 @@ def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp
                for a in r["artifact"]["manifest"]["contents"])
     _, scalars = tensorboard_scalars(tmp_path / "tb")
     assert [step for step, _ in scalars["train/tatblimp/acc"]] == [0, 2, 3, 4, 5]
-    assert [value for _, value in scalars["train/tatblimp/acc"]] == pytest.approx([item["tatblimp/acc"] for item in ours], rel=1e-6)
+    values = [value for _, value in scalars["train/tatblimp/acc"]]
+    assert values == pytest.approx([item["tatblimp/acc"] for item in ours], rel=1e-6)
 
     # The second wandb run has its own tatblimp/ section over train/global_step, and its own curve from step 0.
     records = wandb_records(second)
