@@ -11,7 +11,6 @@ printers (``ProgressCallback``, ``PrinterCallback``) are replaced by one short l
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -20,20 +19,14 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .metrics import Results
 
-logger = logging.getLogger(__name__)
-
 # report_to names whose callbacks log nothing that we send (emissions trackers, ...).
 _NOT_METRIC_REPORTERS = {"codecarbon"}
 
 
-def _reporter_classes() -> dict[str, type]:
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    return INTEGRATION_TO_CALLBACK
-
-
 def _wandb_callback_class() -> type:
-    return _reporter_classes()["wandb"]
+    from transformers.integrations import WandbCallback  # importable without wandb installed
+
+    return WandbCallback
 
 
 def reports_to_wandb(args, trainer) -> bool:
