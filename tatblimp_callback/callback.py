@@ -157,7 +157,12 @@ class TatBLiMPCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._history_file = reporting.HistoryFile.resolve(self.history_file, getattr(args, "output_dir", None))
             if self._history_file is not None:
-                self._history_file.start({entry["step"] for entry in self.history})
+                try:
+                    self._history_file.start({entry["step"] for entry in self.history})
+                except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
+                    logger.warning("tatblimp: cannot use the history file %s (%s); none is written in this run",
+                                   self._history_file.path, err)
+                    self._history_file = None
             missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
                 self._warned_unreachable = True

@@ -176,3 +176,13 @@ def test_history_file_is_read_by_tatblimp_compare(bpe_tokenizer, small_data, tmp
     off = callback(small_data, eval_steps=2, history_file=None)
     make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "off", [off], max_steps=2).train()
     assert not (tmp_path / "off" / "tatblimp_history.jsonl").exists()
+
+
+def test_an_unreadable_history_file_is_named_and_training_goes_on(bpe_tokenizer, small_data, tmp_path, caplog):
+    (tmp_path / "tatblimp_history.jsonl").write_text("not json\n", encoding="utf-8")
+    cb = callback(small_data, eval_steps=2)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2 and [h["step"] for h in cb.history] == [0, 2] and cb.failures == 0
+    assert "cannot use the history file" in caplog.text and "tatblimp_history.jsonl" in caplog.text
+    assert (tmp_path / "tatblimp_history.jsonl").read_text(encoding="utf-8") == "not json\n"  # left as it was
