@@ -1,13 +1,18 @@
 """``TatBLiMPCallback``: TatBLiMP curves while a Hugging Face Trainer trains.
 
     trainer = Trainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
-    trainer.add_callback(TatBLiMPCallback(eval_steps=500, trainer=trainer))
+    TatBLiMPCallback.attach(trainer, eval_steps=500)
 
 The callback tokenizes the benchmark once, at the start of training, into tensors on the model's
 device. When scoring is due it runs one fused forward pass over all sentences without gradients
 and in eval mode, restores the model's mode and every random number generator, and logs
 ``tatblimp/acc``, ``tatblimp/acc_norm`` and ``tatblimp/<phenomenon>/{acc,acc_norm}`` at the
 global step. Steps where no scoring is due do an integer comparison and nothing else.
+
+The run's life: on resume the history is rebuilt from the restored ``state.log_history`` (nothing is
+scored twice); every Trainer evaluation also scores, and its metrics get ``eval_<prefix>/...`` keys for
+``metric_for_best_model`` and ``EarlyStoppingCallback``; the final weights are scored, and the end-of-training
+table logged, before the Trainer loads the best checkpoint and its reporters close (``on_train_end``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from . import reporting
 from .curves import DEFAULT_THRESHOLD, acquisition_steps
 from .data import Benchmark
 from .evaluation import Evaluator
@@ -45,9 +51,10 @@ class TatBLiMPCallback(TrainerCallback):
     tokenizer: Any = None
     """Tokenizer (or a raw ``SentencePieceTokenizer``); None: the Trainer's ``processing_class``."""
 
-    trainer: Any = None
-    """The Trainer, so results also reach every ``report_to`` backend (tensorboard, ...) through its
-    callbacks. Without it they go to ``state.log_history`` and the active wandb run only."""
+    trainer: Any = field(default=None, repr=False)
+    """The Trainer (set by ``attach``), so results also reach every ``report_to`` reporter (tensorboard,
+    mlflow, ...) and the Trainer's other callbacks. Without it they go to ``state.log_history``, the
+    active wandb run, the console and ``history_file`` only (a warning at the start names what is missed)."""
 
     eval_on_start: bool = True
     """Score before the first step, so every curve starts at the untrained baseline."""
@@ -55,8 +62,11 @@ class TatBLiMPCallback(TrainerCallback):
     eval_on_end: bool = True
     """Score at the last step of training if it is not a multiple of ``eval_steps``."""
 
-    eval_on_evaluate: bool = False
-    """Also score whenever the Trainer evaluates (``on_evaluate``)."""
+    eval_on_evaluate: bool = True
+    """Also score whenever the Trainer evaluates (``eval_strategy``, ``trainer.evaluate()``) and add the
+    results to that evaluation's metrics as ``eval_<prefix>/...``, so that ``metric_for_best_model=
+    "tatblimp/acc_norm"`` (or any logged key, ``"tatblimp/binding/acc_norm"``) and ``EarlyStoppingCallback``
+    work on TatBLiMP."""
 
     raise_on_error: bool = False
     """Re-raise a scoring error and stop training. By default it is logged with its traceback,
@@ -83,6 +93,10 @@ class TatBLiMPCallback(TrainerCallback):
     log_table: bool = True
     """At the end of training, log a wandb Table of the per-phenomenon results."""
 
+    history_file: str | os.PathLike | None = "tatblimp_history.jsonl"
+    """Write each evaluation as a JSON line here (relative to ``output_dir``; main process only), the
+    record of a ``tatblimp sweep`` line without "checkpoint": ``tatblimp compare`` reads it. None: no file."""
+
     acquisition_threshold: float = DEFAULT_THRESHOLD
     """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
 
@@ -107,7 +121,7 @@ class TatBLiMPCallback(TrainerCallback):
     """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
 
     acquisition: dict[str, int | None] = field(default_factory=dict, init=False)
-    """Set at the end of training: per phenomenon, the first step from which acc_norm stayed at or
+    """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or
     above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
     (the string "never" there, since wandb drops None)."""
 
@@ -118,36 +132,50 @@ class TatBLiMPCallback(TrainerCallback):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
-        self._last_step: int | None = None
-        self._wandb_metrics_defined = False
+        self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
+        self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc"])
+        self._warned_unreachable = False
+        self._start_run([])
+
+    @classmethod
+    def attach(cls, trainer, **options) -> TatBLiMPCallback:
+        """Build the callback with ``options``, add it to ``trainer`` and return it; the one call that lets the
+        results reach all of the Trainer's reporters (``report_to``)."""
+        callback = cls(trainer=trainer, **options)
+        trainer.add_callback(callback)
+        return callback
 
     # -- Trainer events -------------------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        self._start_run(state.log_history)
+        self._trainer = self._running_trainer(state)
+        if not self.eval_on_evaluate and self._is_our_metric(getattr(args, "metric_for_best_model", None)):
+            raise ValueError(
+                f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
+            )
+        if state.is_world_process_zero:
+            self._history_file = reporting.HistoryFile.resolve(self.history_file, getattr(args, "output_dir", None))
+            if self._history_file is not None:
+                try:
+                    self._history_file.start({entry["step"] for entry in self.history})
+                except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
+                    logger.warning("tatblimp: cannot use the history file %s (%s); none is written in this run",
+                                   self._history_file.path, err)
+                    self._history_file = None
+            missed = reporting.unreachable_reporters(args, self._trainer)
+            if missed and not self._warned_unreachable:
+                self._warned_unreachable = True
+                logger.warning(
+                    "tatblimp: the results will not reach %s (report_to): the callback does not know the Trainer. "
+                    "Add it with TatBLiMPCallback.attach(trainer, ...) instead of callbacks=[...]",
+                    ", ".join(missed),
+                )
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        if self._fc_evaluator is None and self.protocol != "logprob":
-            self._fc_evaluator = ForcedChoiceEvaluator(
-                tokenizer,
-                self.data,
-                prompt=self.forced_choice_prompt or DEFAULT_PROMPT,
-                allow_modified=self.allow_modified,
-                memory_budget=self.memory_budget,
-            )
-            self._guarded(self._fc_evaluator.prepare, model)
-        if self._evaluator is None and self.protocol != "forced-choice":
-            self._evaluator = Evaluator(
-                tokenizer,
-                self.data,
-                prefix_token_id=self.prefix_token_id,
-                allow_modified=self.allow_modified,
-                memory_budget=self.memory_budget,
-                truncate=self.truncate,
-                cache_path=self.cache_path,
-            )
-            self._guarded(self._evaluator.prepare, model)
-        if self.eval_on_start:
+        self._prepare(tokenizer, model)
+        if self.eval_on_start and state.global_step == 0:  # a resumed run has its earlier points already
             self._score(args, state, control, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -155,24 +183,110 @@ class TatBLiMPCallback(TrainerCallback):
         if step % self.eval_steps == 0 or (self.eval_on_end and step >= state.max_steps):
             self._score(args, state, control, model)
 
-    def on_evaluate(self, args, state, control, model=None, **kwargs):
-        if self.eval_on_evaluate:
-            self._score(args, state, control, model)
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        # Trainer.evaluate() logs its metrics, then hands the same dict to every on_evaluate (EarlyStoppingCallback)
+        # and to the best-model selection: keys added here reach all of them, whatever the callbacks' order.
+        if not self.eval_on_evaluate or not logs or not reporting.is_evaluation_log(logs):
+            return
+        metrics = self._score(args, state, control, model)
+        logs.update({f"eval_{key}": value for key, value in metrics.items()})
+        wanted = getattr(args, "metric_for_best_model", None)
+        if self._is_our_metric(wanted) and not wanted.startswith("eval_"):
+            wanted = f"eval_{wanted}"
+        if self._is_our_metric(wanted) and not self._has_results(metrics):
+            logs[wanted] = float("nan")  # scoring failed: never the best, and training goes on
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        if self.eval_on_end:
-            self._score(args, state, control, model)
-        if self.log_table and self.last_results is not None and state.is_world_process_zero:
-            self._guarded(self._log_wandb_table, args, self.last_results)
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        # The last event before the Trainer loads the best checkpoint and its reporters close
+        # (on_train_end), also when training stops early (EarlyStoppingCallback, in on_evaluate).
+        if control.should_training_stop or state.global_step >= state.max_steps:
+            if self.eval_on_end:
+                self._score(args, state, control, model)
+            self._finish(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not self._finished:  # no epoch ran (resumed from the last checkpoint): nothing new is scored here
+            self._finish(args, state)
+
+    # -- per run --------------------------------------------------------------------------------
+
+    def _start_run(self, log_history: list[dict[str, Any]]) -> None:
+        """Per-run state, rebuilt from the restored ``log_history`` on resume (empty for a new run)."""
+        ours = [entry for entry in log_history if self._is_ours(entry)]
+        self.history = [{"step": e["step"], **{k: v for k, v in e.items() if k != "step"}} for e in ours if self._has_results(e)]
+        self.failures = int(max((e.get(f"{self.log_prefix}/failures", 0) for e in ours), default=0))
+        self._last_step = ours[-1]["step"] if ours else None
+        self._last_metrics = {k: v for k, v in ours[-1].items() if k != "step"} if ours else {}
+        self.last_results = None
+        self.last_fc_results = None
+        self.acquisition = {}
+        self._finished = False
+        self._history_file = None
+        self._trainer = None
+        self._wandb.reset()
+
+    def _running_trainer(self, state):
+        """``trainer``, if it is the one running this callback (not one it was attached to before)."""
+        if self.trainer is None:
+            return None
+        if self.trainer.state is not state:
+            logger.warning("tatblimp: the callback's trainer= does not hold it (another Trainer runs it); "
+                           "its results reach state.log_history, wandb, the console and the history file only")
+            return None
+        return self.trainer
+
+    def _is_our_metric(self, name: str | None) -> bool:
+        return (name or "").removeprefix("eval_").startswith((f"{self.log_prefix}/", f"{self.log_prefix}_fc/"))
+
+    def _is_ours(self, entry: dict[str, Any]) -> bool:
+        return any(key.startswith((f"{self.log_prefix}/", f"{self.log_prefix}_fc/")) for key in entry)
+
+    def _has_results(self, entry: dict[str, Any]) -> bool:
+        return f"{self.log_prefix}/acc" in entry or f"{self.log_prefix}_fc/accuracy" in entry
+
+    def _prepare(self, tokenizer, model) -> None:
+        """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same."""
+        if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not self.data:
+            self._prepared_for = (tokenizer, self.data)
+            self._evaluator = self._fc_evaluator = None
+            if self.protocol != "logprob":
+                self._fc_evaluator = ForcedChoiceEvaluator(
+                    tokenizer,
+                    self.data,
+                    prompt=self.forced_choice_prompt or DEFAULT_PROMPT,
+                    allow_modified=self.allow_modified,
+                    memory_budget=self.memory_budget,
+                )
+            if self.protocol != "forced-choice":
+                self._evaluator = Evaluator(
+                    tokenizer,
+                    self.data,
+                    prefix_token_id=self.prefix_token_id,
+                    allow_modified=self.allow_modified,
+                    memory_budget=self.memory_budget,
+                    truncate=self.truncate,
+                    cache_path=self.cache_path,
+                )
+        for evaluator in (self._fc_evaluator, self._evaluator):
+            if evaluator is not None:
+                self._guarded(evaluator.prepare, model)
+
+    def _finish(self, args, state) -> None:
+        """The end of training: acquisition steps, and the wandb table and summary."""
+        self._finished = True
         self.acquisition = acquisition_steps(self.history, self.acquisition_threshold, prefix=self.log_prefix)
-        if self.acquisition and state.is_world_process_zero:
-            self._guarded(self._log_wandb_acquisition, args)
+        wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
+        if wandb and self.log_table and self.last_results is not None:
+            self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
 
     # -- scoring and logging --------------------------------------------------------------------
 
-    def _score(self, args, state, control, model) -> None:
-        if model is None or (self._evaluator is None and self._fc_evaluator is None) or self._last_step == state.global_step:
-            return
+    def _score(self, args, state, control, model) -> dict[str, float]:
+        """Score the model at this global step (once per step) and log the results; returns the metrics."""
+        if self._last_step == state.global_step:
+            return self._last_metrics
+        if model is None or (self._evaluator is None and self._fc_evaluator is None):
+            return {}
         self._last_step = state.global_step
         rng = _rng_state()
         try:
@@ -180,9 +294,8 @@ class TatBLiMPCallback(TrainerCallback):
             fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
         finally:
             _set_rng_state(rng)
-        if results is None:
-            metrics = {}
-        else:
+        metrics = {}
+        if results is not None:
             self.last_results = results
             metrics = results.flat_metrics(self.log_prefix)
             if results.partial:
@@ -199,10 +312,12 @@ class TatBLiMPCallback(TrainerCallback):
             metrics[f"{self.log_prefix}_fc/eval_seconds"] = fc_results.extra["seconds"]
         if self.failures:
             metrics[f"{self.log_prefix}/failures"] = float(self.failures)
+        self._last_metrics = metrics
         if results is not None or fc_results is not None:
             self.history.append({"step": state.global_step, **metrics})
-        if state.is_world_process_zero:
-            self._log(args, state, control, model, metrics)
+        if state.is_world_process_zero and metrics:
+            self._log(args, state, control, metrics, results)
+        return metrics
 
     def _guarded(self, function, *arguments):
         """Run ``function``; unless ``raise_on_error``, log an exception and return None."""
@@ -217,55 +332,18 @@ class TatBLiMPCallback(TrainerCallback):
             logger.error("tatblimp: scoring failed (failure %d); training continues\n%s", self.failures, traceback.format_exc())
             return None
 
-    def _log(self, args, state, control, model, metrics: dict[str, float]) -> None:
-        state.log_history.append({**metrics, "step": state.global_step})
-        if self.trainer is not None:
-            # Every reporter but wandb, which would file our keys under train/; wandb is logged below.
-            for callback in self.trainer.callback_handler.callbacks:
-                if callback is not self and type(callback).__name__ != "WandbCallback":
-                    callback.on_log(args, state, control, model=model, logs=dict(metrics))
-        self._guarded(self._log_wandb, args, state, metrics)
-
-    def _log_wandb(self, args, state, metrics: dict[str, float]) -> None:
-        run = _wandb_run(args)
-        if run is None:
-            return
-        if not self._wandb_metrics_defined:
-            run.define_metric("train/global_step")
-            run.define_metric(f"{self.log_prefix}/*", step_metric="train/global_step", step_sync=True)
-            run.define_metric(f"{self.log_prefix}_fc/*", step_metric="train/global_step", step_sync=True)
-            self._wandb_metrics_defined = True
-        run.log({**metrics, "train/global_step": state.global_step})
-
-    def _log_wandb_table(self, args, results: Results) -> None:
-        run = _wandb_run(args)
-        if run is None:
-            return
-        import wandb
-
-        columns = ["phenomenon", "n", "acc", "acc_norm", "mean_margin", "ties"]
-        rows = [[name, g.n, g.acc, g.acc_norm, g.mean_margin, g.ties] for name, g in results.phenomena.items()]
-        rows.append(["overall", results.overall.n, results.acc, results.acc_norm, results.overall.mean_margin, results.overall.ties])
-        run.log({f"{self.log_prefix}/results": wandb.Table(columns=columns, data=rows)})
-        run.summary[f"{self.log_prefix}/acc"] = results.acc
-        run.summary[f"{self.log_prefix}/acc_norm"] = results.acc_norm
-
-    def _log_wandb_acquisition(self, args) -> None:
-        run = _wandb_run(args)
-        if run is not None:
-            for name, step in self.acquisition.items():
-                run.summary[f"{self.log_prefix}/acquisition/{name}"] = "never" if step is None else step
-
-
-def _wandb_run(args):
-    """The active wandb run, when this Trainer reports to wandb."""
-    if "wandb" not in (args.report_to or []) and args.report_to != "all":
-        return None
-    try:
-        import wandb
-    except ImportError:
-        return None
-    return wandb.run
+    def _log(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
+        """One evaluation, once, to every destination (see ``reporting``)."""
+        step = state.global_step
+        state.log_history.append({**metrics, "step": step})
+        if self._trainer is not None:
+            self._guarded(reporting.log_to_trainer_callbacks, self._trainer, self, args, state, control, metrics)
+        if reporting.reports_to_wandb(args, self._trainer):
+            self._guarded(self._wandb.log, metrics, step)
+        if results is not None and self._history_file is not None:
+            self._guarded(self._history_file.append, step, results)
+        if f"{self.log_prefix}/acc" in metrics or f"{self.log_prefix}_fc/accuracy" in metrics:
+            reporting.print_line(reporting.console_line(step, metrics, self.log_prefix))
 
 
 def _rng_state() -> dict[str, Any]:

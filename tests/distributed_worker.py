@@ -225,6 +225,7 @@ def trainer_scenario(workdir: Path, tokenizer, cache) -> dict:
         per_device_train_batch_size=2,
         ddp_backend="gloo",
         ddp_timeout=60,
+        attach=True,
     )
     trainer.train()
     out = {

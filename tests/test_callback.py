@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from conftest import tiny_llama
+from conftest import reference_logprobs, tiny_llama
 from tatblimp_callback import TatBLiMPCallback, evaluate
-from trainer_utils import losses, make_trainer, tatblimp_entries
+from trainer_utils import corpus_blocks, losses, make_trainer, tatblimp_entries
 
 PHENOMENA = 16
 
@@ -35,7 +35,7 @@ class Reporter(TrainerCallback):
 def test_scores_at_start_every_n_steps_and_at_the_end(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=2)
     reporter = Reporter()
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [reporter, cb])
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [reporter, cb], attach=True)
     trainer.train()
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [0, 2, 4, 5]
@@ -82,21 +82,54 @@ def test_gradient_accumulation_counts_optimizer_steps(bpe_tokenizer, small_data,
     assert [e["step"] for e in tatblimp_entries(trainer)] == [2, 4]
 
 
-@pytest.mark.parametrize("options", [dict(gradient_checkpointing=True), dict(bf16=True)], ids=["checkpointing", "bf16"])
-def test_gradient_checkpointing_and_mixed_precision(bpe_tokenizer, small_data, tmp_path, options):
+def test_gradient_checkpointing(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=3)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=3, **options)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=3, gradient_checkpointing=True)
     trainer.train()
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [0, 3] and cb.failures == 0
-    assert entries[-1]["tatblimp/acc"] == evaluate(trainer.model, bpe_tokenizer, small_data, allow_modified=True).acc
+    untouched = tiny_llama(len(bpe_tokenizer))  # the same weights in a model no Trainer has wrapped
+    untouched.load_state_dict(trainer.model.state_dict())
+    assert entries[-1]["tatblimp/acc_norm"] == evaluate(untouched, bpe_tokenizer, small_data, allow_modified=True).acc_norm
 
 
-def test_compiled_model_scores_like_the_plain_one(bpe_tokenizer, small_data):
+def test_mixed_precision_scores_the_weights_in_their_own_dtype_not_under_autocast(bpe_tokenizer, small_data, tmp_path):
+    cb = callback(small_data, eval_steps=3)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=3, bf16=True)
+    trainer.train()
+    assert hasattr(trainer.model, "_original_forward")  # Accelerate put the model's forward under bf16 autocast
+    untouched = tiny_llama(len(bpe_tokenizer))
+    untouched.load_state_dict(trainer.model.state_dict())
+    fp32 = evaluate(untouched, bpe_tokenizer, small_data, allow_modified=True)
+    assert [p.good_logprob for p in cb.last_results.pairs] == [p.good_logprob for p in fp32.pairs]
+    # The definition, computed plainly, in float32 and under bf16 autocast: the callback's number is the first.
+    first = cb._evaluator.cache.sentence(0)
+    plain = reference_logprobs(untouched, [first])[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = reference_logprobs(untouched, [first])[0]
+    assert abs(cb.last_results.pairs[0].good_logprob - plain) < 1e-3 < abs(cb.last_results.pairs[0].good_logprob - autocast)
+
+
+def test_a_compiled_model_is_scored_through_its_eager_module(bpe_tokenizer, small_data):
+    """The scorer unwraps ``torch.compile`` (``_orig_mod``): it runs the same weights eagerly, so scoring
+    neither compiles graphs for its own shapes nor recompiles the training graph."""
+    compilations = []
+
+    def counting_backend(graph, example_inputs):
+        compilations.append(graph)
+        return graph.forward
+
     model = tiny_llama(len(bpe_tokenizer))
-    plain = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
-    compiled = evaluate(torch.compile(model), bpe_tokenizer, small_data, allow_modified=True)
-    assert [p.good_logprob for p in plain.pairs] == [p.good_logprob for p in compiled.pairs]
+    compiled = torch.compile(model, backend=counting_backend)
+    try:
+        plain = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
+        scored = evaluate(compiled, bpe_tokenizer, small_data, allow_modified=True)
+        assert compilations == []
+        assert [p.good_logprob for p in scored.pairs] == [p.good_logprob for p in plain.pairs]
+        compiled(input_ids=torch.tensor([[1, 5, 9]]))
+        assert compilations  # calling the compiled module itself does compile: the check above can fail
+    finally:
+        torch._dynamo.reset()
 
 
 def test_lora_model(bpe_tokenizer, small_data, tmp_path):
@@ -154,7 +187,7 @@ def test_cache_is_saved_and_reused_by_fingerprint(bpe_tokenizer, eos_only_tokeni
 WANDB_SCRIPT = r"""
 import json, os, sys
 sys.path.insert(0, {tests!r})
-from conftest import tiny_llama, train_bpe
+from conftest import reference_logprobs, tiny_llama, train_bpe
 from trainer_utils import make_trainer
 from tatblimp_callback import TatBLiMPCallback
 tokenizer = train_bpe()
@@ -188,12 +221,23 @@ def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_
     assert '"path":"tatblimp/results.table.json"' in records.replace(" ", "")
 
 
-def test_scores_when_the_trainer_evaluates(bpe_tokenizer, small_data, tmp_path):
-    from trainer_utils import corpus_blocks
-
-    cb = callback(small_data, eval_steps=100, eval_on_start=False, eval_on_end=False, eval_on_evaluate=True)
+def test_every_trainer_evaluation_carries_the_tatblimp_metrics(bpe_tokenizer, small_data, tmp_path):
+    cb = callback(small_data, eval_steps=100, eval_on_start=False, eval_on_end=False)
     trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4,
                            eval_strategy="steps", eval_steps=3, eval_dataset=corpus_blocks(bpe_tokenizer, lines=20))
     trainer.train()
     # The Trainer evaluates at step 3 and, as the run ends there, at the last step 4.
-    assert [e["step"] for e in tatblimp_entries(trainer)] == [3, 4]
+    entries = tatblimp_entries(trainer)
+    assert [e["step"] for e in entries] == [3, 4]
+    metrics = trainer.evaluate()  # at step 4 again: the metrics of step 4, not scored or logged a second time
+    ours = {key[len("eval_"):]: value for key, value in metrics.items() if key.startswith("eval_tatblimp/")}
+    assert ours == {key: value for key, value in entries[-1].items() if key != "step"}
+    assert len(ours) == 2 * (PHENOMENA + 1) + 1 and len(tatblimp_entries(trainer)) == 2  # + eval_seconds
+
+
+def test_tatblimp_as_metric_for_best_model_needs_eval_on_evaluate(bpe_tokenizer, small_data, tmp_path):
+    cb = callback(small_data, eval_on_evaluate=False)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=2, eval_strategy="steps",
+                           eval_steps=1, metric_for_best_model="tatblimp/acc_norm", eval_dataset=corpus_blocks(bpe_tokenizer, lines=8))
+    with pytest.raises(ValueError, match="eval_on_evaluate=True"):
+        trainer.train()

@@ -6,6 +6,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from conftest import CORPUS
+from tatblimp_callback import TatBLiMPCallback
 
 
 def corpus_blocks(tokenizer, block: int = 32, lines: int = 300) -> list[dict]:
@@ -14,7 +15,9 @@ def corpus_blocks(tokenizer, block: int = 32, lines: int = 300) -> list[dict]:
     return [{"input_ids": ids[i : i + block], "labels": ids[i : i + block]} for i in range(0, len(ids) - block, block)]
 
 
-def make_trainer(model, tokenizer, output_dir, callbacks=(), eval_dataset=None, **overrides) -> Trainer:
+def make_trainer(model, tokenizer, output_dir, callbacks=(), eval_dataset=None, attach=False, **overrides) -> Trainer:
+    """A Trainer given ``callbacks=[...]``, as a user would; ``attach=True``: the ``TatBLiMPCallback``s among them
+    are given the Trainer (``trainer=``), as ``TatBLiMPCallback.attach`` does."""
     options = dict(
         output_dir=str(output_dir),
         max_steps=5,
@@ -30,12 +33,13 @@ def make_trainer(model, tokenizer, output_dir, callbacks=(), eval_dataset=None, 
     )
     args = TrainingArguments(**{**options, **overrides})
     trainer = Trainer(
-        model=model, args=args, train_dataset=corpus_blocks(tokenizer), eval_dataset=eval_dataset, processing_class=tokenizer
+        model=model, args=args, train_dataset=corpus_blocks(tokenizer), eval_dataset=eval_dataset,
+        processing_class=tokenizer, callbacks=list(callbacks),
     )
-    for callback in callbacks:
-        if getattr(callback, "trainer", False) is None:
-            callback.trainer = trainer
-        trainer.add_callback(callback)
+    if attach:
+        for callback in callbacks:
+            if isinstance(callback, TatBLiMPCallback):
+                callback.trainer = trainer
     return trainer
 
 

@@ -1,0 +1,161 @@
+"""Where ``TatBLiMPCallback``'s results go: ``state.log_history``, every ``report_to`` reporter, the console
+and a JSONL history file, once per evaluation and at its global step.
+
+A callback is not given the Trainer, so the results reach the Trainer's other callbacks only when the
+callback holds it (``TatBLiMPCallback.attach(trainer)``, as TRL's callbacks take ``trainer``). It then
+does what ``Trainer.log`` does, with two exceptions: wandb is logged directly, so that the metrics keep
+their own ``tatblimp/`` section (``WandbCallback`` would file them under ``train/``); and the console
+printers (``ProgressCallback``, ``PrinterCallback``) are replaced by one short line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from .metrics import Results
+
+# report_to names whose callbacks log nothing that we send (emissions trackers, ...).
+_NOT_METRIC_REPORTERS = {"codecarbon"}
+
+
+def _wandb_callback_class() -> type:
+    from transformers.integrations import WandbCallback  # importable without wandb installed
+
+    return WandbCallback
+
+
+def reports_to_wandb(args, trainer) -> bool:
+    """Whether this run logs to wandb: a ``WandbCallback`` (or subclass) on the Trainer, else ``report_to``."""
+    if trainer is not None:
+        return any(isinstance(cb, _wandb_callback_class()) for cb in trainer.callback_handler.callbacks)
+    return "wandb" in (args.report_to or [])
+
+
+def unreachable_reporters(args, trainer) -> list[str]:
+    """The ``report_to`` reporters the results cannot reach: all but wandb when the Trainer is unknown."""
+    if trainer is not None:
+        return []
+    return [name for name in (args.report_to or []) if name != "wandb" and name not in _NOT_METRIC_REPORTERS]
+
+
+def log_to_trainer_callbacks(trainer, skip, args, state, control, metrics: dict[str, float]) -> None:
+    """Call ``on_log`` of every callback of ``trainer`` except ``skip``, wandb's and the console printers'."""
+    handler = trainer.callback_handler
+    skipped = (_wandb_callback_class(), ProgressCallback, PrinterCallback)
+    for callback in handler.callbacks:
+        if callback is skip or isinstance(callback, skipped):
+            continue
+        callback.on_log(
+            args, state, control, logs=dict(metrics), model=handler.model, processing_class=handler.processing_class,
+            optimizer=handler.optimizer, lr_scheduler=handler.lr_scheduler,
+            train_dataloader=handler.train_dataloader, eval_dataloader=handler.eval_dataloader,
+        )
+
+
+def wandb_run():
+    try:
+        import wandb
+    except ImportError:
+        return None
+    return wandb.run
+
+
+class WandbSection:
+    """Logs to the active wandb run under ``<prefix>/...`` with ``train/global_step`` as the x-axis."""
+
+    def __init__(self, prefixes: list[str]):
+        self.prefixes = prefixes
+        self._defined_for: str | None = None  # the id of the run whose metrics are defined
+
+    def reset(self) -> None:
+        self._defined_for = None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        run = wandb_run()
+        if run is None:
+            return
+        if self._defined_for != run.id:
+            run.define_metric("train/global_step")
+            for prefix in self.prefixes:
+                run.define_metric(f"{prefix}/*", step_metric="train/global_step", step_sync=True)
+            self._defined_for = run.id
+        run.log({**metrics, "train/global_step": step})
+
+    def log_results(self, prefix: str, results: Results, acquisition: dict[str, int | None]) -> None:
+        """The end of training: a table of the final results, and the final numbers and acquisition steps in the summary."""
+        run = wandb_run()
+        if run is None:
+            return
+        import wandb
+
+        columns, rows = results_table(results)
+        run.log({f"{prefix}/results": wandb.Table(columns=columns, data=rows)})
+        run.summary[f"{prefix}/acc"] = results.acc
+        run.summary[f"{prefix}/acc_norm"] = results.acc_norm
+        for name, step in acquisition.items():
+            run.summary[f"{prefix}/acquisition/{name}"] = "never" if step is None else step  # wandb drops None
+
+
+def results_table(results: Results) -> tuple[list[str], list[list[Any]]]:
+    """Columns and rows of the end-of-training table: one row per phenomenon, then overall."""
+    columns = ["phenomenon", "n", "acc", "acc_norm", "mean_margin", "ties"]
+    rows = [[name, g.n, g.acc, g.acc_norm, g.mean_margin, g.ties] for name, g in results.phenomena.items()]
+    rows.append(["overall", results.overall.n, results.acc, results.acc_norm, results.overall.mean_margin, results.overall.ties])
+    return columns, rows
+
+
+def console_line(step: int, metrics: dict[str, float], prefix: str) -> str:
+    """One line per evaluation: step, acc, acc_norm (and forced-choice accuracy), seconds."""
+    parts = []
+    if f"{prefix}/acc" in metrics:
+        parts.append(f"acc {metrics[f'{prefix}/acc']:.4f}  acc_norm {metrics[f'{prefix}/acc_norm']:.4f}")
+    if f"{prefix}_fc/accuracy" in metrics:
+        parts.append(f"forced-choice accuracy {metrics[f'{prefix}_fc/accuracy']:.4f}")
+    seconds = sum(v for k, v in metrics.items() if k.endswith("/eval_seconds"))
+    parts.append(f"({seconds:.1f} s)")
+    return f"{prefix} step {step}: " + "  ".join(parts)
+
+
+def print_line(line: str) -> None:
+    """Print above the Trainer's progress bar, if there is one."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line)
+
+
+class HistoryFile:
+    """One JSON line per evaluation, ``{"step": ..., **results.to_dict()}`` without the per-pair list: the
+    record of a ``tatblimp sweep`` line without "checkpoint", so ``tatblimp compare`` reads the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def resolve(cls, setting: str | os.PathLike | None, output_dir: str | None) -> HistoryFile | None:
+        if setting is None or (output_dir is None and not Path(setting).is_absolute()):
+            return None
+        return cls(Path(output_dir or "") / setting)
+
+    def start(self, kept_steps: set[int]) -> None:
+        """Keep only the lines of ``kept_steps`` (a resumed run's steps up to its checkpoint; none for a new run)."""
+        if not self.path.exists():
+            return
+        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line).get("step") in kept_steps]
+        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def append(self, step: int, results: Results) -> None:
+        record = {"step": step, **{k: v for k, v in results.to_dict().items() if k != "pairs"}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def is_evaluation_log(logs: dict[str, Any]) -> bool:
+    """``Trainer.evaluate`` logs its metrics with ``eval_runtime`` (``eval_<name>_runtime`` for a dict of datasets)."""
+    return any(key.startswith("eval_") and key.endswith("_runtime") for key in logs)
