@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records, plot_runs
-from .stats import ALPHA, METRICS, Outcomes, PairedTest, encode_outcomes, format_interval, paired_tests
+from .stats import ALPHA, METRICS, Outcomes, PairedTest, format_interval, paired_tests
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
 
@@ -81,34 +81,11 @@ class Run:
 
 
 def read_outcomes(record: dict[str, Any], where: str) -> Outcomes:
-    """A record's per-pair outcomes, checked against its acc and acc_norm; CompareError if it has none."""
-    if "outcomes" in record:
-        try:
-            outcomes = Outcomes.from_dict(record["outcomes"])
-        except ValueError as err:
-            raise CompareError(f"{where}: {err}") from None
-    elif record.get("pairs"):  # written before outcomes were recorded, with the per-pair list
-        pairs = record["pairs"]
-        finite = [math.isfinite(p["good_logprob"]) and math.isfinite(p["bad_logprob"]) for p in pairs]
-        outcomes = Outcomes(
-            acc=encode_outcomes(p["good_logprob"] > p["bad_logprob"] if f else None for p, f in zip(pairs, finite)),
-            acc_norm=encode_outcomes(
-                p["good_logprob"] / p["good_bytes"] > p["bad_logprob"] / p["bad_bytes"] if f else None for p, f in zip(pairs, finite)
-            ),
-            phenomena=tuple(p["phenomenon"] for p in pairs),
-        )
-    else:
-        raise CompareError(
-            f"{where}: no per-pair outcomes (written by an older tatblimp-callback); score it again to compare it "
-            "pair by pair, or pass --no-paired to show it side by side only"
-        )
-    for metric in METRICS:
-        text = getattr(outcomes, metric)
-        finite = len(text) - text.count("-")
-        share = text.count("1") / finite if finite else math.nan
-        if not (math.isnan(share) and math.isnan(record[metric])) and not math.isclose(share, record[metric], abs_tol=1e-9):
-            raise CompareError(f"{where}: its outcomes give {metric} {share:.6f} but it says {record[metric]:.6f}")
-    return outcomes
+    """``Outcomes.from_record``, its errors named by ``where``."""
+    try:
+        return Outcomes.from_record(record)
+    except ValueError as err:
+        raise CompareError(f"{where}: {err}") from None
 
 
 def load_run(path: str | os.PathLike, label: str | None = None, step: int | None = None) -> Run:

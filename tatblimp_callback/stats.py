@@ -137,6 +137,37 @@ class Outcomes:
                 raise ValueError(f"outcomes.{name} has {len(text)} pairs but phenomenon_runs {len(phenomena)}")
         return cls(acc, acc_norm, phenomena)
 
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Outcomes:
+        """From a results record (``Results.to_dict()``): its ``outcomes``, else its per-pair list ``pairs``
+        (results written before outcomes were recorded). Checked against the record's acc and acc_norm;
+        ValueError if it has neither or they disagree."""
+        if "outcomes" in record:
+            outcomes = cls.from_dict(record["outcomes"])
+        elif record.get("pairs"):
+            pairs = record["pairs"]
+            finite = [math.isfinite(p["good_logprob"]) and math.isfinite(p["bad_logprob"]) for p in pairs]
+            outcomes = cls(
+                acc=encode_outcomes(p["good_logprob"] > p["bad_logprob"] if f else None for p, f in zip(pairs, finite)),
+                acc_norm=encode_outcomes(
+                    p["good_logprob"] / p["good_bytes"] > p["bad_logprob"] / p["bad_bytes"] if f else None
+                    for p, f in zip(pairs, finite)
+                ),
+                phenomena=tuple(p["phenomenon"] for p in pairs),
+            )
+        else:
+            raise ValueError(
+                "no per-pair outcomes (written by an older tatblimp-callback); score it again to compare it "
+                "pair by pair, or pass --no-paired to show it side by side only"
+            )
+        for metric in METRICS:
+            passed, finite_pairs = outcome_share(getattr(outcomes, metric))
+            share = passed / finite_pairs if finite_pairs else math.nan
+            stated = record[metric]
+            if not (math.isnan(share) and math.isnan(stated)) and not math.isclose(share, stated, abs_tol=1e-9):
+                raise ValueError(f"its outcomes give {metric} {share:.6f} but it says {stated:.6f}")
+        return outcomes
+
     def groups(self) -> dict[str, list[int]]:
         """Pair indices of each phenomenon, in first-seen order."""
         groups: dict[str, list[int]] = {}

@@ -276,3 +276,10 @@ def test_cli_compare_on_two_real_score_files(tmp_path, bpe_tokenizer, small_data
             assert (p["n"], p["baseline_only"], p["run_only"]) == expected[p["group"]][:3]
             assert p["p_value"] == pytest.approx(expected[p["group"]][3]) and p["p_adjusted"] == pytest.approx(adjusted[p["group"]])
         assert sum(p["baseline_only"] + p["run_only"] for p in got[1:]) > 0  # two seeds disagree somewhere
+
+    # Results written before outcomes were recorded, with their per-pair list: the outcomes are read from it.
+    record = json.loads(scores[1].read_text())
+    del record["outcomes"]
+    scores[1].write_text(json.dumps(record))
+    assert main(["compare", *map(str, scores), "--json", str(tmp_path / "d.json")]) == 0
+    assert json.loads((tmp_path / "d.json").read_text()) == written
