@@ -338,6 +338,8 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     from tqdm.auto import tqdm
 
     options = options or SweepOptions()
+    if options.acquisition not in ("estimate", "lower-bound"):
+        raise ValueError(f"acquisition must be 'estimate' or 'lower-bound', got {options.acquisition!r}")
     run_dir = Path(run_dir)
     find_checkpoints(run_dir)  # fails early on a missing folder or a step claimed twice
     results_path = run_dir / RESULTS_FILE
