@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 CONFIDENCE = 0.95
@@ -22,6 +23,7 @@ ALPHA = 0.05
 OUTCOME_PASS, OUTCOME_FAIL, OUTCOME_NOT_FINITE = "1", "0", "-"
 
 
+@lru_cache(maxsize=4096)  # a result has ~100 intervals, about 1 ms each, and successive evaluations repeat most
 def wilson_interval(passed: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """The Wilson score interval of ``passed`` / ``n``; (nan, nan) when ``n`` is 0."""
     from scipy.stats import binomtest
