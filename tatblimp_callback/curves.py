@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 DEFAULT_THRESHOLD = 0.75
 

@@ -14,9 +14,10 @@ results can be compared pair by pair.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 CONFIDENCE = 0.95
 ALPHA = 0.05
@@ -208,7 +209,9 @@ def paired_tests(baseline: Outcomes, run: Outcomes) -> list[PairedTest]:
     for metric in METRICS:
         a, b = getattr(baseline, metric), getattr(run, metric)
         overall = paired_counts(a, b)
-        tests.append(PairedTest(metric, "overall", overall.n, overall.baseline_only, overall.run_only, overall.p_value, overall.p_value))
+        tests.append(
+            PairedTest(metric, "overall", overall.n, overall.baseline_only, overall.run_only, overall.p_value, overall.p_value)
+        )
         groups = {name: paired_counts(a, b, indices) for name, indices in baseline.groups().items()}
         adjusted = bh_adjust([counts.p_value for counts in groups.values()])
         for (name, counts), p_adjusted in zip(groups.items(), adjusted):

@@ -8,10 +8,10 @@ import re
 
 import pytest
 
+from conftest import tiny_llama
 from tatblimp_callback.cli import main
 from tatblimp_callback.compare import CompareError, compare_runs, format_markdown, format_text, load_run, load_runs, to_json
 from tatblimp_callback.curves import acquisition_step, acquisition_steps
-from conftest import tiny_llama
 from test_stats import wilson
 
 
@@ -35,7 +35,14 @@ def test_acquisition_step(points, expected):
 
 def test_acquisition_steps_reads_the_phenomenon_curves_of_a_history():
     history = [
-        {"step": 0, "tatblimp/acc_norm": 0.9, "tatblimp/a/acc_norm": 0.2, "tatblimp/a/acc": 0.99, "tatblimp/b/acc_norm": 0.5, "tatblimp/eval_seconds": 1.0},
+        {
+            "step": 0,
+            "tatblimp/acc_norm": 0.9,
+            "tatblimp/a/acc_norm": 0.2,
+            "tatblimp/a/acc": 0.99,
+            "tatblimp/b/acc_norm": 0.5,
+            "tatblimp/eval_seconds": 1.0,
+        },
         {"step": 100, "tatblimp/acc_norm": 0.9, "tatblimp/a/acc_norm": 0.8, "tatblimp/a/acc": 0.1, "tatblimp/b/acc_norm": 0.7},
         {"step": 200, "tatblimp/acc_norm": 0.9, "tatblimp/a/acc_norm": 0.9, "tatblimp/a/acc": 0.1, "tatblimp/b/acc_norm": 0.74},
     ]
@@ -46,9 +53,27 @@ def test_acquisition_steps_reads_the_phenomenon_curves_of_a_history():
 
 def test_acquisition_by_the_lower_bound():
     history = [
-        {"step": 0, "tatblimp/a/acc_norm": 0.8, "tatblimp/a/acc_norm_ci_low": 0.70, "tatblimp/b/acc_norm": 0.9, "tatblimp/b/acc_norm_ci_low": 0.8},
-        {"step": 100, "tatblimp/a/acc_norm": 0.9, "tatblimp/a/acc_norm_ci_low": 0.76, "tatblimp/b/acc_norm": 0.8, "tatblimp/b/acc_norm_ci_low": 0.7},
-        {"step": 200, "tatblimp/a/acc_norm": 0.9, "tatblimp/a/acc_norm_ci_low": 0.80, "tatblimp/b/acc_norm": 0.9, "tatblimp/b/acc_norm_ci_low": 0.8},
+        {
+            "step": 0,
+            "tatblimp/a/acc_norm": 0.8,
+            "tatblimp/a/acc_norm_ci_low": 0.70,
+            "tatblimp/b/acc_norm": 0.9,
+            "tatblimp/b/acc_norm_ci_low": 0.8,
+        },
+        {
+            "step": 100,
+            "tatblimp/a/acc_norm": 0.9,
+            "tatblimp/a/acc_norm_ci_low": 0.76,
+            "tatblimp/b/acc_norm": 0.8,
+            "tatblimp/b/acc_norm_ci_low": 0.7,
+        },
+        {
+            "step": 200,
+            "tatblimp/a/acc_norm": 0.9,
+            "tatblimp/a/acc_norm_ci_low": 0.80,
+            "tatblimp/b/acc_norm": 0.9,
+            "tatblimp/b/acc_norm_ci_low": 0.8,
+        },
     ]
     assert acquisition_steps(history) == {"a": 0, "b": 0}
     assert acquisition_steps(history, use_lower_bound=True) == {"a": 100, "b": 200}
@@ -74,7 +99,11 @@ def result(acc, phenomena, step=None, md5="m", outcomes=True):
     for name, value in phenomena.items():
         record["phenomena"][name]["acc_norm_ci"] = list(wilson(round(10 * value), 10))
     if outcomes:
-        record["outcomes"] = {"acc": acc_outcomes, "acc_norm": acc_norm_outcomes, "phenomenon_runs": [[name, 10] for name in phenomena]}
+        record["outcomes"] = {
+            "acc": acc_outcomes,
+            "acc_norm": acc_norm_outcomes,
+            "phenomenon_runs": [[name, 10] for name in phenomena],
+        }
     if step is not None:
         record = {"step": step, "checkpoint": f"checkpoint-{step}", **record}
     return record
@@ -123,7 +152,8 @@ def test_text_and_markdown_tables_for_two_runs(two_runs):
     # agreement: 0.8 at step 100, 0.4 at 200, 0.9 at 300 -> acquired at 300; binding never reaches 0.75.
     acquisition = text.split("acquired (>= 0.75)")[1].split("\n\n")[0]
     assert [line.split() for line in acquisition.splitlines() if line.strip() and not line.startswith("-")] == [
-        ["agreement", "300", "n/a"], ["binding", "never", "n/a"]
+        ["agreement", "300", "n/a"],
+        ["binding", "never", "n/a"],
     ]
     paired = text.split("paired, acc_norm: big-vocab against small-vocab (baseline)")[1].split("\n\n")[0]
     rows = {line.split()[0]: line.split()[1:] for line in paired.splitlines()[3:]}
@@ -177,9 +207,22 @@ def test_steps_of_one_sweep_and_baseline_choice(two_runs, tmp_path):
     comparison = compare_runs(runs, baseline="small-vocab@300")
     as_json = to_json(comparison)
     # step 100 -> 300: agreement 8/10 -> 9/10 (one pair), binding 6 -> 7 (one pair).
-    overall = [p for p in as_json["paired"] if p["run"] == "small-vocab@100" and p["metric"] == "acc_norm" and p["group"] == "overall"]
-    assert overall == [{"baseline": "small-vocab@300", "run": "small-vocab@100", "metric": "acc_norm", "group": "overall",
-                        "n": 20, "baseline_only": 2, "run_only": 0, "p_value": 0.5, "p_adjusted": 0.5}]
+    overall = [
+        p for p in as_json["paired"] if p["run"] == "small-vocab@100" and p["metric"] == "acc_norm" and p["group"] == "overall"
+    ]
+    assert overall == [
+        {
+            "baseline": "small-vocab@300",
+            "run": "small-vocab@100",
+            "metric": "acc_norm",
+            "group": "overall",
+            "n": 20,
+            "baseline_only": 2,
+            "run_only": 0,
+            "p_value": 0.5,
+            "p_adjusted": 0.5,
+        }
+    ]
     assert {p["run"] for p in as_json["paired"]} == {"small-vocab@100", "big-vocab"} and len(as_json["paired"]) == 2 * 2 * 3
     assert [r["label"] for r in as_json["runs"]] == ["small-vocab@100", "small-vocab@300", "big-vocab"]
     assert as_json["runs"][0]["acc_norm"] == 0.7 and as_json["runs"][0]["phenomena"]["agreement"]["n"] == 10
@@ -218,8 +261,18 @@ def test_bad_files_are_named(tmp_path):
 
 
 def test_cli_compare_writes_markdown_json_and_plot(two_runs, tmp_path, capsys):
-    code = main(["compare", *map(str, two_runs), "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "c.png"),
-                 "--json", str(tmp_path / "c.json")])
+    code = main(
+        [
+            "compare",
+            *map(str, two_runs),
+            "--markdown",
+            str(tmp_path / "t.md"),
+            "--plot",
+            str(tmp_path / "c.png"),
+            "--json",
+            str(tmp_path / "c.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "small-vocab" in out and "big-vocab" in out and "paired, acc: big-vocab against small-vocab" in out
     assert (tmp_path / "t.md").read_text().startswith("## TatBLiMP comparison")
@@ -241,14 +294,31 @@ def test_cli_compare_on_two_real_score_files(tmp_path, bpe_tokenizer, small_data
         tiny_llama(len(bpe_tokenizer), seed=seed).save_pretrained(folder)
         bpe_tokenizer.save_pretrained(folder)
         scores.append(tmp_path / f"seed{seed}.json")
-        assert main(["score", str(folder), "--data", str(small_data), "--allow-modified", "--device", "cpu", "--output", str(scores[-1])]) == 0
+        assert (
+            main(
+                [
+                    "score",
+                    str(folder),
+                    "--data",
+                    str(small_data),
+                    "--allow-modified",
+                    "--device",
+                    "cpu",
+                    "--output",
+                    str(scores[-1]),
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
     assert main(["compare", *map(str, scores), "--json", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     assert "paired, acc_norm: seed2 against seed1 (baseline)" in out and "paired, acc: seed2 against seed1 (baseline)" in out
     written = json.loads((tmp_path / "c.json").read_text())
     assert [set(run) for run in written["runs"]] == [{"label", "acc", "acc_ci", "acc_norm", "acc_norm_ci", "phenomena"}] * 2
-    assert all(set(g) == {"acc", "acc_ci", "acc_norm", "acc_norm_ci", "n"} for run in written["runs"] for g in run["phenomena"].values())
+    assert all(
+        set(g) == {"acc", "acc_ci", "acc_norm", "acc_norm_ci", "n"} for run in written["runs"] for g in run["phenomena"].values()
+    )
     assert len(written["paired"]) == 2 * 17
 
     # Independently, from the per-pair log-probs in the two score files.
@@ -257,8 +327,10 @@ def test_cli_compare_on_two_real_score_files(tmp_path, bpe_tokenizer, small_data
         record = json.loads(path.read_text())
         k = sum(p["good_logprob"] / p["good_bytes"] > p["bad_logprob"] / p["bad_bytes"] for p in record["pairs"])
         assert run["acc_norm"] == k / 48 and run["acc_norm_ci"] == pytest.approx(list(wilson(k, 48)), abs=1e-12)
-    for metric, passes in (("acc", lambda p: p["good_logprob"] > p["bad_logprob"]),
-                           ("acc_norm", lambda p: p["good_logprob"] / p["good_bytes"] > p["bad_logprob"] / p["bad_bytes"])):
+    for metric, passes in (
+        ("acc", lambda p: p["good_logprob"] > p["bad_logprob"]),
+        ("acc_norm", lambda p: p["good_logprob"] / p["good_bytes"] > p["bad_logprob"] / p["bad_bytes"]),
+    ):
         groups = {"overall": range(48)}
         for i, pair in enumerate(pairs[0]):
             groups.setdefault(pair["phenomenon"], []).append(i)
@@ -274,7 +346,9 @@ def test_cli_compare_on_two_real_score_files(tmp_path, bpe_tokenizer, small_data
         for p in got:
             assert (p["baseline"], p["run"]) == ("seed1", "seed2")
             assert (p["n"], p["baseline_only"], p["run_only"]) == expected[p["group"]][:3]
-            assert p["p_value"] == pytest.approx(expected[p["group"]][3]) and p["p_adjusted"] == pytest.approx(adjusted[p["group"]])
+            assert p["p_value"] == pytest.approx(expected[p["group"]][3]) and p["p_adjusted"] == pytest.approx(
+                adjusted[p["group"]]
+            )
         assert sum(p["baseline_only"] + p["run_only"] for p in got[1:]) > 0  # two seeds disagree somewhere
 
     # Results written before outcomes were recorded, with their per-pair list: the outcomes are read from it.

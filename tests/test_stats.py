@@ -112,7 +112,7 @@ def known(bpe_tokenizer):
 
 
 def test_intervals_of_every_group_match_the_closed_form(known):
-    results, benchmark, finite, passed, (everything, nothing, broken, broken_pairs, tie) = known
+    results, benchmark, finite, passed, (everything, nothing, broken, _, tie) = known
     as_dict = results.to_dict()
     groups = {"overall": [True] * len(finite)}
     groups |= {name: [p.phenomenon == name for p in benchmark.pairs] for name in benchmark.phenomena}
@@ -141,7 +141,7 @@ def test_intervals_of_every_group_match_the_closed_form(known):
 
 
 def test_outcome_strings_one_character_per_pair(known):
-    results, benchmark, finite, passed, (everything, nothing, broken, broken_pairs, tie) = known
+    results, benchmark, finite, passed, (everything, _, _, broken_pairs, tie) = known
     outcomes = results.to_dict()["outcomes"]
     for metric in ("acc", "acc_norm"):
         expected = "".join("-" if not f else "1" if p else "0" for f, p in zip(finite, passed[metric]))
@@ -179,7 +179,9 @@ def test_paired_tests_on_known_outcomes():
     base = {"acc_norm": "0000001111" + "110100" + "-1" + "000000", "acc": "1" * 24}
     run = {"acc_norm": "1111110111" + "110100" + "1-" + "111111", "acc": "1" * 24}
     names = [["a", 10], ["b", 6], ["c", 8]]
-    tests = paired_tests(Outcomes.from_dict({**base, "phenomenon_runs": names}), Outcomes.from_dict({**run, "phenomenon_runs": names}))
+    tests = paired_tests(
+        Outcomes.from_dict({**base, "phenomenon_runs": names}), Outcomes.from_dict({**run, "phenomenon_runs": names})
+    )
     got = {(t.metric, t.group): (t.n, t.baseline_only, t.run_only, t.p_value, t.p_adjusted) for t in tests}
     p_a, p_c = exact_mcnemar(1, 6), exact_mcnemar(0, 6)
     adjusted = benjamini_hochberg([p_a, 1.0, p_c])
@@ -193,7 +195,7 @@ def test_paired_tests_on_known_outcomes():
 
 
 def test_malformed_outcomes_are_refused():
-    with pytest.raises(ValueError, match="outcomes.acc has 3 pairs but phenomenon_runs 4"):
+    with pytest.raises(ValueError, match=r"outcomes\.acc has 3 pairs but phenomenon_runs 4"):
         Outcomes.from_dict({"acc": "101", "acc_norm": "1011", "phenomenon_runs": [["a", 4]]})
     with pytest.raises(ValueError, match="string of '1', '0' and '-'"):
         Outcomes.from_dict({"acc": "1x11", "acc_norm": "1011", "phenomenon_runs": [["a", 4]]})
@@ -214,8 +216,10 @@ def test_callback_logs_the_overall_intervals(bpe_tokenizer, small_data, tmp_path
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [0, 1]
     pairs = cb.last_results.pairs
-    for metric, passed in (("acc", [p.good_logprob > p.bad_logprob for p in pairs]),
-                           ("acc_norm", [p.good_logprob / p.good_bytes > p.bad_logprob / p.bad_bytes for p in pairs])):
+    for metric, passed in (
+        ("acc", [p.good_logprob > p.bad_logprob for p in pairs]),
+        ("acc_norm", [p.good_logprob / p.good_bytes > p.bad_logprob / p.bad_bytes for p in pairs]),
+    ):
         low, high = wilson(sum(passed), len(pairs))
         assert entries[-1][f"tatblimp/{metric}_ci_low"] == pytest.approx(low, abs=1e-12)
         assert entries[-1][f"tatblimp/{metric}_ci_high"] == pytest.approx(high, abs=1e-12)
