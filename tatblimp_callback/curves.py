@@ -2,14 +2,16 @@
 
 A history is a list of dicts, one per evaluation, each with ``step`` and flat metric keys such as
 ``tatblimp/acc_norm`` and ``tatblimp/<phenomenon>/acc_norm`` (``TatBLiMPCallback.history``; a
-sweep's JSONL records become one with ``history_from_records``).
+sweep's JSONL records become one with ``history_from_records``). A curve's 95% interval, where the
+history has it, is under ``<key>_ci_low`` and ``<key>_ci_high`` (e.g. ``tatblimp/acc_norm_ci_low``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 DEFAULT_THRESHOLD = 0.75
 
@@ -50,27 +52,52 @@ def acquisition_steps(
     threshold: float = DEFAULT_THRESHOLD,
     metric: str = "acc_norm",
     prefix: str = "tatblimp",
+    use_lower_bound: bool = False,
 ) -> dict[str, int | None]:
-    """``acquisition_step`` of every phenomenon's ``{prefix}/<phenomenon>/{metric}`` curve."""
-    return {
-        name: acquisition_step(
-            [(entry["step"], entry[f"{prefix}/{name}/{metric}"]) for entry in history if f"{prefix}/{name}/{metric}" in entry],
-            threshold,
-        )
-        for name in phenomena_in(history, metric, prefix)
-    }
+    """``acquisition_step`` of every phenomenon's ``{prefix}/<phenomenon>/{metric}`` curve.
+
+    With ``use_lower_bound`` the curve is the lower end of its 95% interval (``..._ci_low``): acquired
+    means above the threshold with 95% confidence. A history without those keys raises ValueError.
+    """
+    steps = {}
+    for name in phenomena_in(history, metric, prefix):
+        key = f"{prefix}/{name}/{metric}"
+        entries = [entry for entry in history if key in entry]
+        if use_lower_bound:
+            missing = [entry["step"] for entry in entries if f"{key}_ci_low" not in entry]
+            if missing:
+                raise ValueError(
+                    f"no interval ({key}_ci_low) at step(s) {missing[:5]}: the lower-bound acquisition needs results "
+                    "with intervals (sweep records, score --output JSON or a history file written from Results.to_dict)"
+                )
+            key += "_ci_low"
+        steps[name] = acquisition_step([(entry["step"], entry[key]) for entry in entries], threshold)
+    return steps
 
 
-def flat_record(record: Mapping[str, Any], prefix: str = "tatblimp") -> dict[str, Any]:
-    """A history entry from one ``score --output`` / sweep record: ``step`` and the flat metrics."""
+def flat_record(record: Mapping[str, Any], prefix: str = "tatblimp", phenomenon_intervals: bool = True) -> dict[str, Any]:
+    """A history entry from one ``score --output`` / sweep record: ``step`` and the flat metrics.
+
+    The overall intervals become ``{prefix}/acc_ci_low`` ... as in ``Results.flat_metrics``; with
+    ``phenomenon_intervals`` each phenomenon's too (``{prefix}/<name>/acc_norm_ci_low``, ...).
+    """
     flat: dict[str, Any] = {"step": record.get("step")}
     for key in ("acc", "acc_norm", "bits_per_byte_good", "tokens_per_byte"):
         if key in record:
             flat[f"{prefix}/{key}"] = record[key]
+    _flat_intervals(flat, f"{prefix}/", record)
     for name, group in record.get("phenomena", {}).items():
         flat[f"{prefix}/{name}/acc"] = group["acc"]
         flat[f"{prefix}/{name}/acc_norm"] = group["acc_norm"]
+        if phenomenon_intervals:
+            _flat_intervals(flat, f"{prefix}/{name}/", group)
     return flat
+
+
+def _flat_intervals(flat: dict[str, Any], start: str, group: Mapping[str, Any]) -> None:
+    for metric in ("acc", "acc_norm"):
+        if group.get(f"{metric}_ci") is not None:
+            flat[f"{start}{metric}_ci_low"], flat[f"{start}{metric}_ci_high"] = group[f"{metric}_ci"]
 
 
 def history_from_records(records: Sequence[Mapping[str, Any]], prefix: str = "tatblimp") -> list[dict[str, Any]]:
@@ -86,7 +113,11 @@ def plot_curves(
     threshold: float | None = DEFAULT_THRESHOLD,
     prefix: str = "tatblimp",
 ) -> None:
-    """Draw one run's curves over steps to an image: overall ``metric``, then one panel per phenomenon."""
+    """Draw one run's curves over steps to an image: overall ``metric``, then one panel per phenomenon.
+
+    ``history`` is ``TatBLiMPCallback.history``, or records with ``step`` and ``Results.to_dict()``'s
+    keys (a sweep's lines, the callback's history file), whose intervals are drawn for every panel.
+    """
     plot_runs({title or "run": history}, path, metric=metric, title=title, threshold=threshold, prefix=prefix)
 
 
@@ -100,8 +131,10 @@ def plot_runs(
 ) -> None:
     """Draw several runs' curves over steps (one line per run) to an image file (PNG, SVG, PDF, ...).
 
-    The first panel is the overall ``{prefix}/{metric}``; then one panel per phenomenon. A dashed
-    line marks ``threshold`` (None: no line). Needs matplotlib (``pip install tatblimp-callback[plot]``).
+    The first panel is the overall ``{prefix}/{metric}``; then one panel per phenomenon. Where the
+    history has a curve's interval (``<key>_ci_low``, ``<key>_ci_high``) it is drawn as a band around the
+    line. A dashed line marks ``threshold`` (None: no line). A history may also be records with
+    ``Results.to_dict()``'s keys (see ``plot_curves``). Needs matplotlib (``pip install tatblimp-callback[plot]``).
     """
     try:
         import matplotlib
@@ -113,6 +146,7 @@ def plot_runs(
 
     if not runs or not any(runs.values()):
         raise ValueError("nothing to plot: every history is empty")
+    runs = {label: [flat_record(e, prefix) if "phenomena" in e else e for e in history] for label, history in runs.items()}
     phenomena: dict[str, None] = {}
     for history in runs.values():
         phenomena.update(dict.fromkeys(phenomena_in(history, metric, prefix)))
@@ -125,7 +159,11 @@ def plot_runs(
             points = sorted((entry["step"], entry[key]) for entry in history if key in entry)
             if points:
                 steps, values = zip(*points)
-                axis.plot(steps, values, marker="o", markersize=2.5, linewidth=1.2, label=label)
+                (line,) = axis.plot(steps, values, marker="o", markersize=2.5, linewidth=1.2, label=label)
+                band = sorted((e["step"], e[f"{key}_ci_low"], e[f"{key}_ci_high"]) for e in history if f"{key}_ci_low" in e)
+                if band:
+                    band_steps, lows, highs = zip(*band)
+                    axis.fill_between(band_steps, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
         if threshold is not None:
             axis.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
         axis.axhline(0.5, color="lightgrey", linestyle=":", linewidth=0.8)

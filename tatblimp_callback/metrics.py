@@ -5,6 +5,10 @@
 
 Pairs whose log-probs are not finite (NaN or inf from a diverging model) are left out of the
 metrics, counted, and flagged; the metrics over the remaining pairs are still given.
+
+Each accuracy comes with its 95% Wilson interval (``acc_ci``, ``acc_norm_ci``), and ``to_dict`` carries
+every pair's outcome of both metrics (``outcomes``; see ``stats.py``) so that two results can be
+compared pair by pair.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .cache import SentenceCache
+from .stats import encode_outcomes, format_interval, run_lengths, wilson_interval
 
 
 @dataclass
@@ -30,6 +35,21 @@ class GroupResult:
     ties_norm: int
     non_finite: int = 0  # pairs left out because a log-prob was NaN or inf
 
+    # acc = passed / n exactly (a float mean of n booleans), so round(acc * n) is the count of passed pairs.
+    @property
+    def acc_ci(self) -> tuple[float, float]:
+        """95% Wilson interval of ``acc``."""
+        return wilson_interval(round(self.acc * self.n), self.n) if self.n else (math.nan, math.nan)
+
+    @property
+    def acc_norm_ci(self) -> tuple[float, float]:
+        """95% Wilson interval of ``acc_norm``."""
+        return wilson_interval(round(self.acc_norm * self.n), self.n) if self.n else (math.nan, math.nan)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and both intervals (``[low, high]``)."""
+        return {**asdict(self), "acc_ci": list(self.acc_ci), "acc_norm_ci": list(self.acc_norm_ci)}
+
 
 @dataclass
 class PairResult:
@@ -41,6 +61,11 @@ class PairResult:
     bad_bytes: int
     phenomenon: str
     subtype: str | None
+
+    @property
+    def finite(self) -> bool:
+        """Both log-probs finite: a pair that is not is left out of the metrics."""
+        return math.isfinite(self.good_logprob) and math.isfinite(self.bad_logprob)
 
     @property
     def passed(self) -> bool:
@@ -77,6 +102,14 @@ class Results:
         return self.overall.acc_norm
 
     @property
+    def acc_ci(self) -> tuple[float, float]:
+        return self.overall.acc_ci
+
+    @property
+    def acc_norm_ci(self) -> tuple[float, float]:
+        return self.overall.acc_norm_ci
+
+    @property
     def non_finite_pairs(self) -> int:
         return self.overall.non_finite
 
@@ -101,6 +134,8 @@ class Results:
         return {
             "acc": self.acc,
             "acc_norm": self.acc_norm,
+            "acc_ci": list(self.acc_ci),
+            "acc_norm_ci": list(self.acc_norm_ci),
             "n": self.overall.n,
             "ties": self.overall.ties,
             "ties_norm": self.overall.ties_norm,
@@ -115,15 +150,31 @@ class Results:
             "tokens_per_byte": self.tokens / max(self.bytes, 1),
             "benchmark": {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source},
             "tokenizer": self.tokenizer,
-            "phenomena": {name: asdict(group) for name, group in self.phenomena.items()},
-            "subtypes": {name: asdict(group) for name, group in self.subtypes.items()},
+            "phenomena": {name: group.to_dict() for name, group in self.phenomena.items()},
+            "subtypes": {name: group.to_dict() for name, group in self.subtypes.items()},
+            "outcomes": self.outcomes(),
             "pairs": [asdict(pair) for pair in self.pairs],
             **self.extra,
         }
 
+    def outcomes(self) -> dict[str, Any]:
+        """Every pair's outcome, compactly: ``acc`` and ``acc_norm`` are strings with one character per pair
+        in file order ("1" passed, "0" failed or tied, "-" not finite, left out); ``phenomenon_runs`` is
+        ``[[phenomenon, count], ...]`` in file order, the phenomenon of each character."""
+        return {
+            "acc": encode_outcomes(p.passed if p.finite else None for p in self.pairs),
+            "acc_norm": encode_outcomes(p.passed_norm if p.finite else None for p in self.pairs),
+            "phenomenon_runs": run_lengths(p.phenomenon for p in self.pairs),
+        }
+
     def flat_metrics(self, prefix: str = "tatblimp") -> dict[str, float]:
-        """Scalars for a logger: ``{prefix}/acc``, ``{prefix}/acc_norm``, ``{prefix}/{phenomenon}/acc``, ..."""
+        """Scalars for a logger: ``{prefix}/acc``, ``{prefix}/acc_norm``, ``{prefix}/{phenomenon}/acc``, ...
+
+        The overall 95% intervals too: ``{prefix}/acc_ci_low``, ``{prefix}/acc_ci_high``, and the same for acc_norm.
+        """
         metrics = {f"{prefix}/acc": self.acc, f"{prefix}/acc_norm": self.acc_norm}
+        for metric, (low, high) in (("acc", self.acc_ci), ("acc_norm", self.acc_norm_ci)):
+            metrics[f"{prefix}/{metric}_ci_low"], metrics[f"{prefix}/{metric}_ci_high"] = low, high
         for name, group in self.phenomena.items():
             metrics[f"{prefix}/{name}/acc"] = group.acc
             metrics[f"{prefix}/{name}/acc_norm"] = group.acc_norm
@@ -139,16 +190,18 @@ class Results:
         return metrics
 
     def format_table(self) -> str:
-        """A plain-text table like the benchmark card's: overall, then each phenomenon."""
+        """A plain-text table like the benchmark card's: each phenomenon, then overall, with 95% intervals."""
         width = max(len(name) for name in [*self.phenomena, "overall"])
         lines = [f"{self.benchmark_release}  tokenizer: {self.tokenizer}"]
-        lines.append(f"{'phenomenon':<{width}}  {'n':>5}  {'acc':>6}  {'acc_norm':>8}")
-        lines.append("-" * (width + 27))
-        for name, group in self.phenomena.items():
-            lines.append(f"{name:<{width}}  {group.n:>5}  {group.acc:>6.4f}  {group.acc_norm:>8.4f}")
-        lines.append("-" * (width + 27))
+        lines.append(f"{'phenomenon':<{width}}  {'n':>5}  {'acc':>6}  {'95% CI':<14}  {'acc_norm':>8}  {'95% CI':<14}")
+        rule = "-" * (width + 59)
+
+        def row(name: str, g: GroupResult) -> str:
+            return (f"{name:<{width}}  {g.n:>5}  {g.acc:>6.4f}  {format_interval(g.acc_ci):<14}  "
+                    f"{g.acc_norm:>8.4f}  {format_interval(g.acc_norm_ci):<14}")
+
+        lines += [rule, *(row(name, group) for name, group in self.phenomena.items()), rule, row("overall", self.overall)]
         o = self.overall
-        lines.append(f"{'overall':<{width}}  {o.n:>5}  {o.acc:>6.4f}  {o.acc_norm:>8.4f}")
         if o.ties or o.ties_norm:
             lines.append(f"ties (counted as failures): {o.ties} raw, {o.ties_norm} normalised")
         if o.non_finite:
@@ -160,6 +213,19 @@ class Results:
         if self.truncated_sentences:
             lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
         return "\n".join(lines)
+
+    def phenomenon_table(self) -> tuple[list[str], list[list[Any]]]:
+        """(columns, rows) of the per-phenomenon results, then an ``overall`` row, e.g. for a wandb Table.
+
+        Columns: phenomenon, n, acc, acc CI, acc_norm, acc_norm CI (95% Wilson, as "[low, high]"),
+        mean margin (nats), ties (raw).
+        """
+        columns = ["phenomenon", "n", "acc", "acc CI", "acc_norm", "acc_norm CI", "mean margin", "ties"]
+        rows = [
+            [name, g.n, g.acc, format_interval(g.acc_ci), g.acc_norm, format_interval(g.acc_norm_ci), g.mean_margin, g.ties]
+            for name, g in [*self.phenomena.items(), ("overall", self.overall)]
+        ]
+        return columns, rows
 
 
 def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None = None) -> Results:

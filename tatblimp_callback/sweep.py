@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .curves import DEFAULT_THRESHOLD, acquisition_steps, flat_record, history_from_records
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class SweepOptions:
 
     threshold: float = DEFAULT_THRESHOLD
     """acc_norm a phenomenon must reach and keep to count as acquired."""
+
+    acquisition: str = "estimate"
+    """What must stay at or above ``threshold``: "estimate" (acc_norm) or "lower-bound" (its 95% interval's low end)."""
 
     wandb_project: str | None = None
     """Log the curves to this wandb project (over ``train/global_step``)."""
@@ -320,7 +323,7 @@ class _WandbLogger:
         self.run.define_metric("tatblimp/*", step_metric="train/global_step", step_sync=True)
 
     def log(self, record: dict[str, Any]) -> None:
-        flat = {k: v for k, v in history_from_records([record])[0].items() if k != "step"}
+        flat = {k: v for k, v in flat_record(record, phenomenon_intervals=False).items() if k != "step"}
         self.run.log({**flat, "train/global_step": record["step"]})
 
     def finish(self, acquisition: dict[str, int | None]) -> None:
@@ -334,6 +337,8 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     from tqdm.auto import tqdm
 
     options = options or SweepOptions()
+    if options.acquisition not in ("estimate", "lower-bound"):
+        raise ValueError(f"acquisition must be 'estimate' or 'lower-bound', got {options.acquisition!r}")
     run_dir = Path(run_dir)
     find_checkpoints(run_dir)  # fails early on a missing folder or a step claimed twice
     results_path = run_dir / RESULTS_FILE
@@ -386,7 +391,9 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
         if bar is not None:
             bar.close()
     report.records = sorted(records, key=lambda record: record["step"])
-    report.acquisition = acquisition_steps(history_from_records(report.records), options.threshold)
+    report.acquisition = acquisition_steps(
+        history_from_records(report.records), options.threshold, use_lower_bound=options.acquisition == "lower-bound"
+    )
     if wandb_logger:
         wandb_logger.finish(report.acquisition)
     if report.incomplete:
@@ -421,6 +428,8 @@ def add_sweep_parser(commands) -> None:
     parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
     parser.add_argument("--max-wait", type=float, help="with --watch: stop after this many seconds without a new checkpoint")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)")
+    parser.add_argument("--acquisition", choices=("estimate", "lower-bound"), default="estimate",
+                        help="acquired when acc_norm (estimate, default) or its 95%% interval's lower bound stays >= threshold")
     parser.add_argument("--wandb-project", help="log the curves to this wandb project")
     parser.add_argument("--wandb-run-id", help="resume this wandb run (e.g. the training run)")
     parser.add_argument("--wandb-entity", help="wandb entity of the project")
@@ -439,6 +448,7 @@ def run_sweep(args: argparse.Namespace) -> None:
     )
     if report.acquisition:
         width = max(len(name) for name in report.acquisition)
-        print(f"acquisition step (acc_norm >= {options.threshold} through the last checkpoint):")
+        what = "acc_norm" if options.acquisition == "estimate" else "acc_norm's 95% lower bound"
+        print(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
         for name, step in report.acquisition.items():
             print(f"  {name:<{width}}  {step if step is not None else '-'}")

@@ -386,7 +386,7 @@ def test_hundreds_of_evaluations_leave_memory_flat(bpe_tokenizer, one_each):
     end = evaluate_times(150)
     assert cb.failures == 0 and len(cb.history) == 41 + 250 == len(state.log_history)
     # One small dict per evaluation and nothing else: the last results are replaced, not kept.
-    assert {len(h) for h in cb.history} == {1 + 2 + 2 * 16 + 1}  # step, overall, per phenomenon, seconds
+    assert {len(h) for h in cb.history} == {1 + 2 + 4 + 2 * 16 + 1}  # step, overall and its intervals, per phenomenon, seconds
     assert previous() is None and live_tensors() == tensors
     # Measured on the 2-core box: 3-5 MiB in all; the slope, about 4 KiB an evaluation, is the two
     # history dicts (ours and the Trainer's log_history).

@@ -197,3 +197,52 @@ def test_wandb_curves_over_the_checkpoint_step_into_an_existing_run(run_dir, sma
         f"tatblimp/acquisition/{name}": "never" if step is None else step for name, step in report.acquisition.items()
     }
     assert len(run.summary) == 16 and any(v != "never" for v in run.summary.values()) and run.finished
+
+
+def test_sweep_records_carry_intervals_and_outcomes_and_compare_two_of_its_steps(run_dir, small_data, capsys):
+    from tatblimp_callback.curves import acquisition_step
+
+    report = sweep(run_dir, options(small_data, acquisition="lower-bound", threshold=0.2))
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    for line in lines:
+        assert len(line["outcomes"]["acc_norm"]) == 48 and line["outcomes"]["acc_norm"].count("1") == round(48 * line["acc_norm"])
+        assert line["acc_norm_ci"][0] < line["acc_norm"] < line["acc_norm_ci"][1]
+        assert all(len(g["acc_ci"]) == 2 for g in [*line["phenomena"].values(), *line["subtypes"].values()])
+    # Acquired when the lower bound (3 pairs a phenomenon: 2/3 passed -> 0.208) stays >= 0.2.
+    expected = {
+        name: acquisition_step([(line["step"], line["phenomena"][name]["acc_norm_ci"][0]) for line in lines], 0.2)
+        for name in lines[0]["phenomena"]
+    }
+    assert report.acquisition == expected and set(expected.values()) - {None}
+
+    code = main(["compare", f"{run_dir}/tatblimp.jsonl@10", f"{run_dir}/tatblimp.jsonl@30", "--acquisition", "lower-bound",
+                 "--threshold", "0.2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "paired, acc_norm: run@30 against run@10 (baseline)" in out and "acquired (lower bound >= 0.2)" in out
+    a, b = lines[0]["outcomes"]["acc_norm"], lines[2]["outcomes"]["acc_norm"]
+    overall = next(line for line in out.split("paired, acc_norm")[1].splitlines() if line.startswith("overall")).split()
+    assert overall[1:4] == ["48", str(sum(x > y for x, y in zip(a, b))), str(sum(x < y for x, y in zip(a, b)))]
+
+
+def test_curves_draw_a_band_where_the_history_has_intervals(run_dir, small_data, tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    bands = []
+    original = Axes.fill_between
+    monkeypatch.setattr(Axes, "fill_between", lambda self, x, low, high, **kw: bands.append((list(x), list(low), list(high))) or original(self, x, low, high, **kw))
+    sweep(run_dir, options(small_data))
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    plot_comparison([load_run(run_dir / "tatblimp.jsonl")], tmp_path / "sweep.png")
+    assert len(bands) == 17  # overall and every phenomenon
+    assert bands[0] == (list(STEPS), [line["acc_norm_ci"][0] for line in lines], [line["acc_norm_ci"][1] for line in lines])
+    binding = [line["phenomena"]["binding"]["acc_norm_ci"] for line in lines]
+    assert ([low for low, _ in binding], [high for _, high in binding]) in [(b[1], b[2]) for b in bands]
+    # A callback history has the overall interval only: one band. Records (the history file) give all.
+    bands.clear()
+    history = [{"step": s, "tatblimp/acc_norm": 0.5, "tatblimp/acc_norm_ci_low": 0.4, "tatblimp/acc_norm_ci_high": 0.6,
+                "tatblimp/a/acc_norm": 0.7} for s in STEPS]
+    plot_curves(history, tmp_path / "callback.png")
+    assert bands == [(list(STEPS), [0.4] * 3, [0.6] * 3)]
+    bands.clear()
+    plot_curves([{k: v for k, v in line.items() if k != "checkpoint"} for line in lines], tmp_path / "file.png")
+    assert len(bands) == 17

@@ -1,0 +1,148 @@
+"""Results files for ``tatblimp compare``: a ``score --output`` JSON, a sweep's ``tatblimp.jsonl`` or the
+callback's ``tatblimp_history.jsonl`` (JSON lines with a ``step``), each read as a ``Run`` compared at
+one step (a sweep's last, or the one picked with ``PATH@STEP`` / ``--step``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .stats import Outcomes
+
+JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
+
+
+class CompareError(ValueError):
+    """A results file cannot be read or compared."""
+
+
+@dataclass
+class Run:
+    """One results file: a single score, or a sweep's records in step order, compared at ``step``."""
+
+    label: str
+    path: Path
+    records: list[dict[str, Any]]
+    is_sweep: bool
+    step: int | None = None  # the sweep step compared; None: the last
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The record compared: the chosen step's (the last written, if the step was scored twice), else the last."""
+        if self.step is None:
+            return self.records[-1]
+        return [r for r in self.records if r["step"] == self.step][-1]
+
+    def pick(self, step: int) -> None:
+        """Compare this sweep at ``step``."""
+        if not self.is_sweep:
+            raise CompareError(f"{self.path}@{step}: a step can be picked from a sweep (JSON lines), not from a single result")
+        if all(r["step"] != step for r in self.records):
+            steps = sorted({r["step"] for r in self.records})
+            raise CompareError(f"{self.path}: no step {step} (steps: {', '.join(map(str, steps))})")
+        self.step = step
+        self.__dict__.pop("outcomes", None)
+
+    @cached_property
+    def history(self) -> list[dict[str, Any]]:
+        return history_from_records(self.records) if self.is_sweep else []
+
+    def acquisition(self, threshold: float = DEFAULT_THRESHOLD, use_lower_bound: bool = False) -> dict[str, int | None]:
+        if not self.is_sweep:
+            return {}
+        try:
+            return acquisition_steps(self.history, threshold, use_lower_bound=use_lower_bound)
+        except ValueError as err:
+            raise CompareError(f"{self.path}: {err}") from None
+
+    @cached_property
+    def outcomes(self) -> Outcomes:
+        """Per-pair outcomes of the compared record (from ``outcomes``, else from ``pairs``)."""
+        where = f"{self.path}" + (f" at step {self.record['step']}" if self.is_sweep else "")
+        return read_outcomes(self.record, where)
+
+
+def read_outcomes(record: dict[str, Any], where: str) -> Outcomes:
+    """``Outcomes.from_record``, its errors named by ``where``."""
+    try:
+        return Outcomes.from_record(record)
+    except ValueError as err:
+        raise CompareError(f"{where}: {err}") from None
+
+
+def load_run(path: str | os.PathLike, label: str | None = None, step: int | None = None) -> Run:
+    """Read a ``score --output`` JSON file or a JSONL file of records with ``step`` (sweep, callback history)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise CompareError(f"{path}: cannot read ({err.strerror or err})") from None
+    label = label or (path.parent.name if path.name in JSONL_NAMES and path.parent.name else path.stem)
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, dict) and not (path.suffix == ".jsonl" and "step" in whole):  # not a one-line sweep
+        _check_record(whole, str(path))
+        run = Run(label, path, [whole], is_sweep=False)
+    else:
+        run = Run(label, path, _read_lines(path, text), is_sweep=True)
+    if step is not None:
+        run.pick(step)
+    return run
+
+
+def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise CompareError(f"{path}:{number}: neither a results JSON file nor a JSONL line ({err.msg})") from None
+        _check_record(record, f"{path}:{number}")
+        if "step" not in record:
+            raise CompareError(f"{path}:{number}: a sweep line needs a 'step'")
+        records.append(record)
+    if not records:
+        raise CompareError(f"{path}: holds no results")
+    return sorted(records, key=lambda r: r["step"])  # stable: of two lines with one step, the later stays later
+
+
+def _check_record(record: Any, where: str) -> None:
+    if not isinstance(record, dict) or not {"acc", "acc_norm", "phenomena"} <= record.keys():
+        raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
+
+
+def load_runs(specs: list[str | os.PathLike], step: int | None = None) -> list[Run]:
+    """``load_run`` for each ``PATH`` or ``PATH@STEP``; ``step``: the step of every sweep given without one.
+
+    A run picked by ``@STEP`` is labelled ``<label>@<step>``; runs with the same label are told apart by their path.
+    """
+    runs = []
+    for spec in specs:
+        path, picked = Path(spec), None
+        match = re.fullmatch(r"(.+)@(\d+)", str(spec))
+        if match and not path.exists():
+            path, picked = Path(match.group(1)), int(match.group(2))
+        run = load_run(path, step=picked)
+        if picked is not None:
+            run.label = f"{run.label}@{picked}"
+        elif step is not None and run.is_sweep:
+            run.pick(step)
+        runs.append(run)
+    if step is not None and not any(run.is_sweep for run in runs):
+        raise CompareError("--step picks a step of a sweep (JSON lines); none of the results is one")
+    labels = [run.label for run in runs]
+    for run in runs:
+        if labels.count(run.label) > 1:
+            run.label = str(run.path) + (f"@{run.step}" if run.step is not None else "")
+    return runs
