@@ -93,20 +93,12 @@ class WandbSection:
             return
         import wandb
 
-        columns, rows = results_table(results)
+        columns, rows = results.phenomenon_table()
         run.log({f"{prefix}/results": wandb.Table(columns=columns, data=rows)})
         run.summary[f"{prefix}/acc"] = results.acc
         run.summary[f"{prefix}/acc_norm"] = results.acc_norm
         for name, step in acquisition.items():
             run.summary[f"{prefix}/acquisition/{name}"] = "never" if step is None else step  # wandb drops None
-
-
-def results_table(results: Results) -> tuple[list[str], list[list[Any]]]:
-    """Columns and rows of the end-of-training table: one row per phenomenon, then overall."""
-    columns = ["phenomenon", "n", "acc", "acc_norm", "mean_margin", "ties"]
-    rows = [[name, g.n, g.acc, g.acc_norm, g.mean_margin, g.ties] for name, g in results.phenomena.items()]
-    rows.append(["overall", results.overall.n, results.acc, results.acc_norm, results.overall.mean_margin, results.overall.ties])
-    return columns, rows
 
 
 def console_line(step: int, metrics: dict[str, float], prefix: str) -> str:

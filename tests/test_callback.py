@@ -219,6 +219,12 @@ def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_
     # The Trainer's own losses still go to train/, and the end-of-training table is logged.
     assert any("train/loss" in item for item in history)
     assert '"path":"tatblimp/results.table.json"' in records.replace(" ", "")
+    # The overall 95% intervals are curves too; the table has one row per phenomenon and overall, with intervals.
+    assert ours[-1]["tatblimp/acc_norm_ci_low"] <= ours[-1]["tatblimp/acc_norm"] <= ours[-1]["tatblimp/acc_norm_ci_high"]
+    (table_file,) = Path(run_dir, "files", "media", "table", "tatblimp").glob("results_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"][:6] == ["phenomenon", "n", "acc", "acc CI", "acc_norm", "acc_norm CI"]
+    assert len(table["data"]) == PHENOMENA + 1 and table["data"][-1][0] == "overall"
 
 
 def test_every_trainer_evaluation_carries_the_tatblimp_metrics(bpe_tokenizer, small_data, tmp_path):
