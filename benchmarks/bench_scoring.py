@@ -155,9 +155,9 @@ def measure_scorer(scorer: Scorer, device: torch.device, repeats: int, full_logi
         "seconds": seconds,
         "times": times,
         "first_call_seconds": first_seconds,
-        "path": str(scorer.path),
+        "path": str(scorer.method),
         "padding_share": layout.padding_share,
-        "shared_share": layout.shared_share,
+        "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
         "distinct_contexts": sum(b.score_positions.numel() for b in layout.batches),
         "forward_calls": len(layout.batches),
         "head_tile": scorer.head_tile,
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     layout = scorer.layout()
     ours_seconds = report["ours"]["seconds"]
     report["ours"]["tokens_per_s"] = tokens / ours_seconds
-    log(f"ours: {ours_seconds:.3f} s (first call with the path check {report['ours']['first_call_seconds']:.2f} s), {scorer.path}")
+    log(f"ours: {ours_seconds:.3f} s (first call with the path check {report['ours']['first_call_seconds']:.2f} s), {scorer.method}")
 
     # The floors, measured in the same run.
     gflops = matmul_gflops(device, dtype, max(args.repeats, 10))  # the best of many: a peak, not a typical figure
@@ -439,7 +439,7 @@ def print_table(report: dict) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     floor, ours = report["floor"], report["ours"]
     print(f"\n{ours['path']}: {ours['distinct_contexts']} distinct contexts computed for {report['scored_tokens']} scored tokens "
-          f"({100 * ours['shared_share']:.1f}% of the positions shared)")
+          f"({100 * ours['saved_by_prefix_sharing']:.1f}% of the positions shared)")
     for name in ("every_token", "distinct_contexts"):
         if name in floor:
             f = floor[name]

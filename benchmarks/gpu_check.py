@@ -47,7 +47,7 @@ from bench_scoring import (  # noqa: E402
     timed,
 )
 
-from tatblimp_callback import Scorer, ScorePath, build_cache, load_benchmark  # noqa: E402
+from tatblimp_callback import Scorer, ScoringMethod, build_cache, load_benchmark  # noqa: E402
 
 TARGET_EVAL_SECONDS = 0.1
 TARGET_SPEEDUP = 20.0
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds, peak = report["ours"]["seconds"], report["ours"]["peak_extra_bytes"]
 
     # The same evaluation on packed rows: what prefix trees gain (or cost, with sdpa's masked kernel) here.
-    packed = Scorer(model, cache, path=ScorePath("packed", scorer.path.head))
+    packed = Scorer(model, cache, method=ScoringMethod("packed", scorer.method.head))
     packed_scores, packed_seconds, _ = timed(packed.score, device, args.repeats)
     report["ours_packed_rows"] = {"seconds": packed_seconds, "max_abs_diff_vs_ours": float((packed_scores - ours).abs().max())}
     save(report, args.json)  # each part is kept as soon as it is measured, should a later one fail

@@ -5,15 +5,19 @@ for custom loops, ``load_benchmark`` for the data, and the ``tatblimp`` command.
 ``evaluate_forced_choice`` (local) and ``evaluate_endpoint`` (an OpenAI-compatible server).
 """
 
-from .callback import TatBLiMPCallback
 from .cache import SentenceCache, build_cache
+from .callback import TatBLiMPCallback
 from .data import Benchmark, BenchmarkError, Pair, load_benchmark
 from .distributed import PeerFailure, this_process_only
 from .endpoint import ChatClient, EndpointError, evaluate_endpoint
 from .evaluation import Evaluator, evaluate
-from .forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
+from .forced_choice import (
+    ForcedChoiceEvaluator,
+    ForcedChoiceResults,
+    evaluate_forced_choice,
+)
 from .metrics import GroupResult, PairResult, Results, compute_results
-from .scoring import ScorePath, Scorer, ScoringError
+from .scoring import Scorer, ScoringError, ScoringMethod
 from .tokenization import SentencePieceTokenizer, TokenizationError, load_tokenizer
 
 __version__ = "0.1.0"
@@ -31,9 +35,9 @@ __all__ = [
     "PairResult",
     "PeerFailure",
     "Results",
-    "ScorePath",
     "Scorer",
     "ScoringError",
+    "ScoringMethod",
     "SentenceCache",
     "SentencePieceTokenizer",
     "TatBLiMPCallback",

@@ -95,26 +95,26 @@ def assign(costs: Sequence[int], world_size: int) -> list[list[int]]:
 
 
 def shard(batches: Sequence[Any], *, split: bool = True, lockstep: bool = False) -> Iterator[tuple[Any, bool]]:
-    """This process's batch steps as ``(batch, keep)``, with a check-in before each and after the last.
+    """This process's batch steps as ``(batch, is_filler)``, with a check-in before each and after the last.
 
     ``split``: deal the batches out (``assign`` by ``num_positions``); otherwise every process runs
     all of them. ``lockstep``: every process runs as many forward calls as the busiest one, the
-    short ones repeating a batch with ``keep=False`` (its result must be dropped); needed when a
-    forward call is a collective. On one process it yields every batch with ``keep=True`` and
-    does nothing else.
+    short ones repeating a batch as a filler (``is_filler=True``: its result must be dropped);
+    needed when a forward call is a collective. On one process it yields every batch with
+    ``is_filler=False`` and does nothing else.
     """
     rank, size = world()
     if size == 1:
-        yield from ((batch, True) for batch in batches)
+        yield from ((batch, False) for batch in batches)
         return
     shares = assign([b.num_positions for b in batches], size) if split else [list(range(len(batches)))] * size
     mine = shares[rank]
     for step in range(max(len(share) for share in shares)):
         check_in()
         if step < len(mine):
-            yield batches[mine[step]], True
+            yield batches[mine[step]], False
         elif lockstep and batches:
-            yield batches[mine[-1] if mine else 0], False
+            yield batches[mine[-1] if mine else 0], True
     check_in()
 
 
@@ -163,7 +163,7 @@ def all_agree(vote: bool) -> bool:
     return check_in(vote=vote)[0]
 
 
-def smallest(value: int) -> int:
+def min_over_processes(value: int) -> int:
     """The smallest ``value`` over all processes (e.g. a memory budget every process can afford)."""
     return -check_in(value=-value)[1]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -175,10 +175,11 @@ def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None
     def group(mask: np.ndarray) -> GroupResult:
         return _group_result(good[mask], bad[mask], good_bytes[mask], bad_bytes[mask])
 
+    overall, phenomena = grouped(group, phenomenon_index, cache.phenomena)
     return Results(
-        overall=group(np.ones(len(good), dtype=bool)),
-        phenomena={name: group(phenomenon_index == i) for i, name in enumerate(cache.phenomena)},
-        subtypes={name: group(subtype_index == i) for i, name in enumerate(cache.subtypes)},
+        overall=overall,
+        phenomena=phenomena,
+        subtypes=grouped(group, subtype_index, cache.subtypes)[1],
         pairs=[
             PairResult(
                 good_logprob=float(good[i]),
@@ -201,6 +202,19 @@ def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None
         truncated_sentences=len(cache.truncated),
         extra=dict(extra or {}),
     )
+
+
+G = TypeVar("G")
+
+
+def grouped(summarise: Callable[[np.ndarray], G], group_index: np.ndarray, names: Sequence[str]) -> tuple[G, dict[str, G]]:
+    """``summarise(mask)`` over all pairs, and over each named group of them (both protocols' results use it).
+
+    ``mask`` is a boolean array over pairs; ``group_index[i]`` is pair ``i``'s index in ``names``
+    (-1: in no group).
+    """
+    overall = summarise(np.ones(len(group_index), dtype=bool))
+    return overall, {name: summarise(group_index == i) for i, name in enumerate(names)}
 
 
 def _group_result(good, bad, good_bytes, bad_bytes) -> GroupResult:

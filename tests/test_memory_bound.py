@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import DATA, SPM_MODEL, tiny_llama
 from tatblimp_callback import Scorer, SentencePieceTokenizer, build_cache
-from tatblimp_callback.scoring import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
+from tatblimp_callback.memory_budget import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
 
 VOCAB = 48000
 
@@ -38,8 +38,8 @@ def full_logits_bytes(cache) -> int:
 
 def test_head_never_sees_more_than_a_tile_and_full_logits_never_exist(model, small_cache, monkeypatch):
     scorer = Scorer(model, small_cache)
-    first = scorer.score()  # the one-time path check runs whole-model forwards; not counted
-    assert str(scorer.path) == "tree rows, chunked head"
+    first = scorer.score()  # the one-time method check runs whole-model forwards; not counted
+    assert str(scorer.method) == "tree rows, tiled head"
     head_weight = model.get_output_embeddings().weight
     tiles: list[tuple[int, int]] = []  # (contexts, vocabulary columns) of each head matmul
     real_linear = F.linear
