@@ -151,6 +151,32 @@ def test_falls_back_to_padded_rows_when_trees_and_packing_are_ignored(model, cac
     assert (logprobs.double() - reference).abs().max().item() < 1e-4
 
 
+def test_a_nan_prompt_does_not_spread_through_its_row(chat_tokenizer, cache):
+    # A token that occurs in the prompts of one pair only (both orderings show both sentences) gets a NaN embedding.
+    users: dict[int, set[int]] = {}
+    for k in range(cache.num_sentences):
+        for token in cache.sentence(k):
+            users.setdefault(token, set()).add(k)
+    token = next(t for t in sorted(users) if len(users[t]) == 2)
+    poisoned = sorted(users[token])
+    model = tiny_llama(len(chat_tokenizer), max_position_embeddings=512)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[token] = float("nan")
+    # One prompt a row: what a plain forward gives.
+    reference = fc_scorer(model, cache, method=ScoringMethod("padded", "tiled")).score()
+    assert (~torch.isfinite(reference)).any(1).nonzero().flatten().tolist() == poisoned
+    scorer = fc_scorer(model, cache)
+    logprobs = scorer.score()
+    assert str(scorer.method) == "tree rows, tiled head"  # one row shares the NaN prompt with others
+    shared = next(b for b in scorer.layout().batches if poisoned[0] in b.score_sentences.tolist())
+    assert set(poisoned) < set(shared.score_sentences.tolist())  # its forward computes other prompts too
+    assert (~torch.isfinite(logprobs)).any(1).nonzero().flatten().tolist() == poisoned
+    finite = torch.isfinite(reference)
+    assert (logprobs[finite] - reference[finite]).abs().max().item() < 1e-4
+    items = items_from_logprobs(logprobs)
+    assert [k for k, item in enumerate(items) if item.note == "non_finite"] == poisoned
+
+
 def _benchmark(phenomena: list[str]) -> Benchmark:
     pairs = tuple(Pair(good=f"good {i}", bad=f"bad {i}", phenomenon=p) for i, p in enumerate(phenomena))
     return Benchmark(pairs=pairs, source="crafted", md5="0" * 32)
