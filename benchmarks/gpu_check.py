@@ -6,7 +6,7 @@ On the device machine (bf16, the 478M TATlit shape):
 
 It measures, in one process:
 
-1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time path
+1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time method
    check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta); and
    the same on packed rows, for what the prefix-tree rows gain or cost on this device;
 2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     training_steps(model, optimizer, 3, batch, device)  # warm-up: optimizer state, kernels
     # A scorer built now sees the memory left beside training, as the callback's would.
     train_scorer = Scorer(model, cache)
-    train_scorer.score()  # its one-time path check, outside the timed loops
+    train_scorer.score()  # its method check, outside the timed loops
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     plain = training_steps(model, optimizer, args.steps, batch, device)

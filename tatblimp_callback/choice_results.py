@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .data import Benchmark
-from .metrics import grouped
+from .metrics import grouped, overall_metric
 
 LETTERS = ("A", "B")
 ORDERS = ("good_first", "bad_first")  # item 2*i + o uses ORDERS[o]; the right answer is LETTERS[o]
@@ -70,19 +70,11 @@ class ForcedChoiceResults:
     model: str
     prompt: str
     system_prompt: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # timings, layout, endpoint counters, ...
+    run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, endpoint counters, ...
 
-    @property
-    def accuracy(self) -> float:
-        return self.overall.accuracy
-
-    @property
-    def both_orders(self) -> float:
-        return self.overall.both_orders
-
-    @property
-    def a_share(self) -> float:
-        return self.overall.a_share
+    accuracy = overall_metric("accuracy")
+    both_orders = overall_metric("both_orders")
+    a_share = overall_metric("a_share")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON written by ``tatblimp score --protocol forced-choice --output``."""
@@ -95,7 +87,7 @@ class ForcedChoiceResults:
             "system_prompt": self.system_prompt,
             "phenomena": {name: asdict(group) for name, group in self.phenomena.items()},
             "per_item": [asdict(item) for item in self.items],
-            **self.extra,
+            **self.run_info,
         }
 
     def flat_metrics(self, prefix: str = "tatblimp_fc") -> dict[str, float]:
@@ -137,14 +129,14 @@ def compute_choice_results(
     model: str,
     prompt: str,
     system_prompt: str | None = None,
-    extra: dict[str, Any] | None = None,
+    run_info: dict[str, Any] | None = None,
 ) -> ForcedChoiceResults:
     """Metrics from the ``2 * len(benchmark)`` items, in item order."""
     names = benchmark.phenomena
     group_index = np.array([names.index(p.phenomenon) for p in benchmark.pairs])
     identity = (benchmark.md5, benchmark.release, benchmark.source)
     return choice_results(items, group_index, names, identity, model=model, prompt=prompt, system_prompt=system_prompt,
-                          extra=extra)
+                          run_info=run_info)
 
 
 def choice_results(
@@ -156,7 +148,7 @@ def choice_results(
     model: str,
     prompt: str,
     system_prompt: str | None = None,
-    extra: dict[str, Any] | None = None,
+    run_info: dict[str, Any] | None = None,
 ) -> ForcedChoiceResults:
     """Metrics from items in item order; ``group_index[i]``: pair ``i``'s phenomenon in ``names``;
     ``identity``: the benchmark's (md5, release, source)."""
@@ -194,7 +186,7 @@ def choice_results(
         model=model,
         prompt=prompt,
         system_prompt=system_prompt,
-        extra=dict(extra or {}),
+        run_info=dict(run_info or {}),
     )
 
 

@@ -1,9 +1,10 @@
 """Scoring on several processes (DDP, FSDP, DeepSpeed, plain ``torch.distributed``), without hangs.
 
 Every process holds the same cache and builds the same layout of batches. The batches are dealt
-out by token count (``assign``), each process scores its share into a zero vector of all sentences,
-and one ``all_reduce(SUM)`` adds the vectors up: every sentence is scored on exactly one process,
-so the sums are bitwise those of that batch on one process (adding zeros is exact).
+out by token count (``assign``), each process writes its share's log-probs into a zero matrix of all
+sequences' cells, and one ``all_reduce(SUM)`` adds the matrices up: every cell is computed on
+exactly one process, so the result is bitwise that of one process (adding zeros is exact), and so
+are the per-sentence sums taken from it afterwards.
 
 Collectives must be called in the same order on every process, or a job hangs. The scorer keeps
 that invariant with *check-ins*: one small ``all_reduce`` that every process reaches at the same

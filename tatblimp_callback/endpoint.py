@@ -209,7 +209,7 @@ def evaluate_endpoint(
     extra = {"endpoint": client.endpoint, "seconds": time.perf_counter() - start, "requests": len(pending),
              "resumed_items": resumed, "retries": client.retries}
     return compute_choice_results(benchmark, items, model=client.model_name, prompt=prompt,
-                                  system_prompt=system_prompt, extra=extra)
+                                  system_prompt=system_prompt, run_info=extra)
 
 
 def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:

@@ -86,8 +86,8 @@ class Evaluator:
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
-        logprobs, extra = timed_score(scorer)
-        return compute_results(scorer.cache, logprobs, extra)
+        logprobs, run_info = timed_score(scorer)
+        return compute_results(scorer.cache, logprobs, run_info)
 
 
 def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:

@@ -196,14 +196,14 @@ class ForcedChoiceEvaluator:
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
-        logprobs, extra = timed_score(scorer)
+        logprobs, run_info = timed_score(scorer)
         cache = scorer.cache
-        extra["answer_token_ids"] = list(cache.answer_ids)
+        run_info["answer_token_ids"] = list(cache.answer_ids)
         name = getattr(scorer.lm.config, "_name_or_path", "") or cache.tokenizer_name
         return choice_results(
             items_from_logprobs(logprobs), cache.phenomenon_index.cpu().numpy(), cache.phenomena,
             (cache.benchmark_md5, cache.benchmark_release, cache.benchmark_source),
-            model=name, prompt=cache.prompt, system_prompt=cache.system_prompt, extra=extra,
+            model=name, prompt=cache.prompt, system_prompt=cache.system_prompt, run_info=run_info,
         )
 
 

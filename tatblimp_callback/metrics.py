@@ -10,8 +10,9 @@ metrics, counted, and flagged; the metrics over the remaining pairs are still gi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class Results:
     tokens: int  # scored tokens over all sentences
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # path used, timings, step, ...
+    run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
 
     @property
     def acc(self) -> float:
@@ -118,7 +119,7 @@ class Results:
             "phenomena": {name: asdict(group) for name, group in self.phenomena.items()},
             "subtypes": {name: asdict(group) for name, group in self.subtypes.items()},
             "pairs": [asdict(pair) for pair in self.pairs],
-            **self.extra,
+            **self.run_info,
         }
 
     def flat_metrics(self, prefix: str = "tatblimp") -> dict[str, float]:
@@ -162,7 +163,7 @@ class Results:
         return "\n".join(lines)
 
 
-def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None = None) -> Results:
+def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | None = None) -> Results:
     """Metrics from per-sentence log-probs in cache order (sentence 2*i good, 2*i+1 bad)."""
     logprobs = np.asarray(logprobs.cpu() if hasattr(logprobs, "cpu") else logprobs, dtype=np.float64)
     good, bad = logprobs[0::2], logprobs[1::2]
@@ -200,11 +201,16 @@ def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None
         tokens=int(tokens.sum()),
         bytes=int(byte_lengths.sum()),
         truncated_sentences=len(cache.truncated),
-        extra=dict(extra or {}),
+        run_info=dict(run_info or {}),
     )
 
 
 G = TypeVar("G")
+
+
+def overall_metric(name: str) -> property:
+    """A read-only property giving ``self.overall.<name>``: a results object's headline numbers."""
+    return property(lambda self: getattr(self.overall, name), doc=f"``overall.{name}``")
 
 
 def grouped(summarise: Callable[[np.ndarray], G], group_index: np.ndarray, names: Sequence[str]) -> tuple[G, dict[str, G]]:

@@ -24,7 +24,11 @@ import torch
 
 from . import distributed
 from .cache import SentenceCache
-from .memory_budget import default_memory_budget, positions_per_forward, retry_out_of_memory
+from .memory_budget import (
+    default_memory_budget,
+    positions_per_forward,
+    retry_out_of_memory,
+)
 from .model_checks import (
     ScoringError,
     check_weights_and_vocabulary,
@@ -221,12 +225,12 @@ class Scorer:
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states ("tiled" head) or the model's logits ("full_logits") at the positions the batch reads."""
-        inputs = dict(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids if position_ids is None else position_ids,
-            attention_mask=batch.attention_mask,
-            use_cache=False,
-        )
+        inputs = {
+            "input_ids": batch.input_ids,
+            "position_ids": batch.position_ids if position_ids is None else position_ids,
+            "attention_mask": batch.attention_mask,
+            "use_cache": False,
+        }
         if head == "full_logits":
             output = self._forward(**inputs).logits
         else:

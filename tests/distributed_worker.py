@@ -58,6 +58,20 @@ def fail_on(rank: int, call: int, error=Injected):
     return lambda: setattr(Scorer, "_batch_logprobs", original)
 
 
+def failing_prepare(evaluator, what: str):
+    """``evaluator``, whose next ``prepare`` raises on rank 1 (once), before any scoring."""
+    prepare = evaluator.prepare
+
+    def fail_once(model):
+        evaluator.prepare = prepare
+        if dist.get_rank() == 1:
+            raise Injected(f"{what} failed on rank 1")
+        return prepare(model)
+
+    evaluator.prepare = fail_once
+    return evaluator
+
+
 def outcome(function):
     """``function()``'s result, or the name and message of what it raised."""
     try:
@@ -110,16 +124,7 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     remove_counter(model)
 
     fc_evaluator = ForcedChoiceEvaluator(cache=prompts, memory_budget=BUDGET)
-    fc_prepare = fc_evaluator.prepare
-
-    def failing_fc_prepare(m):
-        if dist.get_rank() == 1:
-            raise Injected("forced-choice prepare failed on rank 1")
-        return fc_prepare(m)
-
-    fc_evaluator.prepare = failing_fc_prepare
-    out["fc_failure_before"] = outcome(lambda: fc_evaluator(model))
-    fc_evaluator.prepare = fc_prepare
+    out["fc_failure_before"] = outcome(lambda: failing_prepare(fc_evaluator, "forced-choice prepare")(model))
     out["fc_evaluator_after_failure"] = [i.logprob_a for i in fc_evaluator(model).items]
 
     scorer = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)
@@ -141,16 +146,7 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     out["after_failure"] = scorer.score()
 
     evaluator = Evaluator(cache=cache, memory_budget=BUDGET)
-    prepare = evaluator.prepare
-
-    def failing_prepare(m):
-        if dist.get_rank() == 1:
-            raise Injected("prepare failed on rank 1")
-        return prepare(m)
-
-    evaluator.prepare = failing_prepare
-    out["failure_before"] = outcome(lambda: evaluator(model))
-    evaluator.prepare = prepare
+    out["failure_before"] = outcome(lambda: failing_prepare(evaluator, "prepare")(model))
     out["evaluator_after_failure"] = [p.good_logprob for p in evaluator(model).pairs]
 
     memory_budget.MIN_MEMORY_BUDGET = BUDGET // 4  # let the retry go below the library's floor

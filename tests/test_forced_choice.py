@@ -8,8 +8,15 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    CHAT_TEMPLATE,
+    CORPUS,
+    DATA,
+    ignore_tree_masks,
+    tiny_llama,
+    write_pairs,
+)
 
-from conftest import CHAT_TEMPLATE, CORPUS, DATA, ignore_tree_masks, tiny_llama, write_pairs
 from tatblimp_callback import load_benchmark
 from tatblimp_callback.cli import main
 from tatblimp_callback.data import Benchmark, Pair
@@ -230,7 +237,7 @@ def test_evaluator_restores_mode_and_tokenizes_once(chat_tokenizer, fc_data, mon
     second = evaluator(model)
     # Dropout was off while scoring, so the two evaluations agree exactly.
     assert [i.logprob_a for i in first.items] == [i.logprob_a for i in second.items]
-    assert first.overall.items == 32 and first.extra["answer_token_ids"] == list(chat_tokenizer.convert_tokens_to_ids(["A", "B"]))
+    assert first.overall.items == 32 and first.run_info["answer_token_ids"] == list(chat_tokenizer.convert_tokens_to_ids(["A", "B"]))
 
 
 def test_prompt_longer_than_context_is_an_error(chat_tokenizer, cache):

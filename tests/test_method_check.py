@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CORPUS, reference_logprobs
-from tatblimp_callback import Scorer, ScoringMethod, build_cache
-from tatblimp_callback import scoring
+
+from tatblimp_callback import Scorer, ScoringMethod, build_cache, scoring
 from tatblimp_callback.model_checks import weight_fingerprint
 from tatblimp_callback.scoring_method import MOVED, RECHECK_EVERY, RecheckSchedule
 
@@ -54,6 +53,13 @@ def drop_position_ids(model) -> None:
     model.model.register_forward_pre_hook(lambda module, args, kwargs: (args, {**kwargs, "position_ids": None}), with_kwargs=True)
 
 
+def blind_attention(model) -> None:
+    """Zero query weights: every position attends uniformly to what it may see, so positions do not matter."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+
+
 def one_at_a_time(model, cache) -> torch.Tensor:
     return torch.tensor(reference_logprobs(model, [cache.sentence(s) for s in range(cache.num_sentences)]), dtype=torch.float64)
 
@@ -82,9 +88,7 @@ def test_a_method_that_goes_wrong_as_the_model_trains_is_replaced(bpe_tokenizer,
     # Suppose the check at initialisation misses it: the probe says positions are read, and
     # attention is blind to them (zero query weights), so every layout agrees with a plain forward.
     monkeypatch.setattr(scoring, "forward_reads_position_ids", lambda *args: True)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.zero_()
+    blind_attention(model)
     scorer = Scorer(model, cache)
     scorer.score()
     assert scorer.method == ScoringMethod("tree", "tiled")
@@ -101,9 +105,7 @@ def test_a_method_that_goes_wrong_as_the_model_trains_is_replaced(bpe_tokenizer,
 
 def test_layouts_ruled_out_by_position_blind_weights_are_tried_again_once_the_weights_move(bpe_tokenizer, cache, trained_weights):
     model = llama(len(bpe_tokenizer))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.zero_()  # uniform attention: doubled position ids change nothing
+    blind_attention(model)  # doubled position ids change nothing
     scorer = Scorer(model, cache)
     scorer.score()
     # Tree rows are ruled out; packed rows pass (doubled ids also move where packed sequences start).

@@ -19,12 +19,19 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from conftest import REPO, tiny_llama, write_pairs
+from trainer_utils import make_trainer, tatblimp_entries
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerControl, TrainerState
 
-from conftest import REPO, tiny_llama, write_pairs
-from tatblimp_callback import Scorer, ScoringMethod, TatBLiMPCallback, build_cache, evaluate
-from tatblimp_callback import memory_budget, scoring_method
-from trainer_utils import make_trainer, tatblimp_entries
+from tatblimp_callback import (
+    Scorer,
+    ScoringMethod,
+    TatBLiMPCallback,
+    build_cache,
+    evaluate,
+    memory_budget,
+    scoring_method,
+)
 
 PAIRS = 48  # small_data: three pairs of each of the 16 phenomena
 
@@ -214,7 +221,7 @@ def test_out_of_memory_halves_the_budget_after_freeing_the_failed_attempt(model,
     assert max(b.num_positions for b in scorer.layout().batches) <= 1024
     assert (scores - expected).abs().max().item() < 1e-5
     # The results say so.
-    assert evaluate(model, cache=cache, memory_budget=start, method="packed").extra["oom_retries"] == scorer.oom_retries
+    assert evaluate(model, cache=cache, memory_budget=start, method="packed").run_info["oom_retries"] == scorer.oom_retries
 
 
 def test_out_of_memory_at_the_floor_is_a_callback_failure_and_training_goes_on(bpe_tokenizer, small_data, tmp_path, monkeypatch, caplog):

@@ -130,7 +130,7 @@ def test_evaluator_tokenizes_once(model, bpe_tokenizer, small_data, monkeypatch)
 
     monkeypatch.setattr(cache_module, "encode_sentences", lambda *a, **k: pytest.fail("tokenized again"))
     second = evaluator(model)
-    assert first.acc == second.acc and first.extra["scoring_method"] == second.extra["scoring_method"]
+    assert first.acc == second.acc and first.run_info["scoring_method"] == second.run_info["scoring_method"]
 
 
 def test_vocabulary_mismatch_is_an_error_before_any_forward(bpe_tokenizer, cache):
