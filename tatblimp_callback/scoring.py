@@ -256,7 +256,7 @@ class Scorer:
         if not distributed.all_agree(self._matches(self.method, sample, reference)):
             logger.warning("tatblimp: %s no longer matches a plain forward of this model; choosing the method again", self.method)
             self.method_replacements += 1
-        elif not all(self._reads_positions.values()):
+        elif not distributed.all_agree(all(self._reads_positions.values())):
             # Faster layouts were ruled out because the outputs ignored position ids; weights that
             # made attention blind to positions (say, zero query weights) may have trained since.
             self._reads_positions.clear()

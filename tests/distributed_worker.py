@@ -129,7 +129,7 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
 
     scorer = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)
     out["sharded"] = scorer.score()
-    out["path"] = str(scorer.method)
+    out["method"] = str(scorer.method)
     forwards = count_forwards(model)
     out["sharded_again"] = scorer.score()
     out["forwards"] = forwards[0]

@@ -87,7 +87,7 @@ def test_sharded_scores_equal_one_process_bitwise(scorer_run):
             assert torch.equal(out[key], one), key
     assert torch.equal(ranks[0]["one_process"], ranks[1]["one_process"])
     assert torch.equal(ranks[0]["alone"], ranks[0]["one_process"])  # this_process_only: no collectives
-    assert ranks[0]["path"] == ranks[1]["path"] == "tree rows, tiled head"
+    assert ranks[0]["method"] == ranks[1]["method"] == "tree rows, tiled head"
     # Every batch runs exactly once, on the rank the token-balanced assignment gives it.
     sizes = ranks[0]["batch_sizes"]
     assert len(sizes) == 9

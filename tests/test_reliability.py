@@ -117,7 +117,7 @@ def test_a_nan_sentence_does_not_spread_through_its_row(bpe_tokenizer, cache):
     assert (~torch.isfinite(reference)).nonzero().flatten().tolist() == sentences
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    # The fast path still agrees with a plain forward: no silent fallback to padded rows.
+    # The fast method still agrees with a plain forward: no silent fallback to padded rows.
     assert str(scorer.method) == "tree rows, tiled head"
     assert (~torch.isfinite(scores)).nonzero().flatten().tolist() == sentences
     finite = torch.isfinite(reference)
@@ -225,7 +225,7 @@ def test_out_of_memory_halves_the_budget_after_freeing_the_failed_attempt(model,
 
 
 def test_out_of_memory_at_the_floor_is_a_callback_failure_and_training_goes_on(bpe_tokenizer, small_data, tmp_path, monkeypatch, caplog):
-    oom = OutOfMemoryAbove(monkeypatch, limit=0)  # nothing fits, not even the path check
+    oom = OutOfMemoryAbove(monkeypatch, limit=0)  # nothing fits, not even the method check
     floor = memory_budget.MIN_MEMORY_BUDGET
     cb = callback(small_data, eval_steps=2, memory_budget=4 * floor)
     trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=2)
@@ -376,7 +376,7 @@ def live_tensors() -> int:
 def test_hundreds_of_evaluations_leave_memory_flat(bpe_tokenizer, one_each):
     model = tiny_llama(len(bpe_tokenizer), hidden=16, layers=1)
     cb = callback(one_each, eval_steps=1)
-    state = events(cb, model, bpe_tokenizer, steps=40)  # warm-up: lazy imports, allocator pools, the path check
+    state = events(cb, model, bpe_tokenizer, steps=40)  # warm-up: lazy imports, allocator pools, the method check
     args, control = SimpleNamespace(report_to=[]), TrainerControl()
     process = psutil.Process()
 

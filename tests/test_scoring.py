@@ -54,7 +54,7 @@ def test_full_benchmark_matches_one_at_a_time(model, cache, reference):
     ],
     ids=["padded", "packed", "tree-logits", "packed-logits", "padded-logits", "small-batches", "large-batches"],
 )
-def test_every_path_and_batching_gives_the_same_decisions(model, cache, reference, options):
+def test_every_method_and_batching_gives_the_same_decisions(model, cache, reference, options):
     scores = Scorer(model, cache, **options).score()
     assert (scores - reference).abs().max().item() < 1e-4
     assert (scores[0::2] > scores[1::2]).tolist() == (reference[0::2] > reference[1::2]).tolist()
