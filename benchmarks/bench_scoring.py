@@ -5,7 +5,7 @@ In one process and one run, on one randomly initialised Llama, it times
   (a) a naive loop: one sentence a forward, full log-softmax over the vocabulary;
   (b) lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` on the same 2,496 sentences with an
       empty context (batch size 64; ``pip install -e .[bench]``);
-  (c) ``tatblimp_callback.Scorer``, after its one-time path check, over a second call;
+  (c) ``tatblimp_callback.Scorer``, after its method check, over a second call;
 
 and measures the machine's floor, floor = body forward (measured) + LM-head matmul at the measured
 throughput of a large square matmul + one softmax pass over the logits (``F.cross_entropy``, the
@@ -145,7 +145,7 @@ def peak_extra_memory(fn, device: torch.device) -> int:
 
 
 def measure_scorer(scorer: Scorer, device: torch.device, repeats: int, full_logits_bytes: int) -> tuple[torch.Tensor, dict]:
-    """Its scores and a report: the first call (with the path check), the best of ``repeats`` calls,
+    """Its scores and a report: the first call (with the method check), the best of ``repeats`` calls,
     one call's peak extra memory, and the layout it used."""
     _, first_seconds, _ = timed(scorer.score, device)
     scores, seconds, times = timed(scorer.score, device, repeats)
@@ -155,9 +155,9 @@ def measure_scorer(scorer: Scorer, device: torch.device, repeats: int, full_logi
         "seconds": seconds,
         "times": times,
         "first_call_seconds": first_seconds,
-        "path": str(scorer.path),
+        "scoring_method": str(scorer.method),
         "padding_share": layout.padding_share,
-        "shared_share": layout.shared_share,
+        "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
         "distinct_contexts": sum(b.score_positions.numel() for b in layout.batches),
         "forward_calls": len(layout.batches),
         "head_tile": scorer.head_tile,
@@ -338,13 +338,13 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"{args.model_shape}: {report['parameters'] / 1e6:.1f}M parameters, {report['dtype']}, {device}; "
         f"{cache.num_sentences} sentences, {tokens} tokens ({scored} scored), vocabulary {vocab}")
 
-    # (c) ours: the one-time path check, then timed calls.
+    # (c) ours: the method check, then timed calls.
     scorer = Scorer(model, cache)
     ours, report["ours"] = measure_scorer(scorer, device, args.repeats, report["full_logits_bytes"])
     layout = scorer.layout()
     ours_seconds = report["ours"]["seconds"]
     report["ours"]["tokens_per_s"] = tokens / ours_seconds
-    log(f"ours: {ours_seconds:.3f} s (first call with the path check {report['ours']['first_call_seconds']:.2f} s), {scorer.path}")
+    log(f"ours: {ours_seconds:.3f} s (first call with the method check {report['ours']['first_call_seconds']:.2f} s), {scorer.method}")
 
     # The floors, measured in the same run.
     gflops = matmul_gflops(device, dtype, max(args.repeats, 10))  # the best of many: a peak, not a typical figure
@@ -438,8 +438,8 @@ def print_table(report: dict) -> None:
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     floor, ours = report["floor"], report["ours"]
-    print(f"\n{ours['path']}: {ours['distinct_contexts']} distinct contexts computed for {report['scored_tokens']} scored tokens "
-          f"({100 * ours['shared_share']:.1f}% of the positions shared)")
+    print(f"\n{ours['scoring_method']}: {ours['distinct_contexts']} distinct contexts computed for {report['scored_tokens']} scored tokens "
+          f"({100 * ours['saved_by_prefix_sharing']:.1f}% of the positions shared)")
     for name in ("every_token", "distinct_contexts"):
         if name in floor:
             f = floor[name]

@@ -6,7 +6,7 @@ On the device machine (bf16, the 478M TATlit shape):
 
 It measures, in one process:
 
-1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time path
+1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time method
    check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta); and
    the same on packed rows, for what the prefix-tree rows gain or cost on this device;
 2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
@@ -47,7 +47,7 @@ from bench_scoring import (  # noqa: E402
     timed,
 )
 
-from tatblimp_callback import Scorer, ScorePath, build_cache, load_benchmark  # noqa: E402
+from tatblimp_callback import Scorer, ScoringMethod, build_cache, load_benchmark  # noqa: E402
 
 TARGET_EVAL_SECONDS = 0.1
 TARGET_SPEEDUP = 20.0
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds, peak = report["ours"]["seconds"], report["ours"]["peak_extra_bytes"]
 
     # The same evaluation on packed rows: what prefix trees gain (or cost, with sdpa's masked kernel) here.
-    packed = Scorer(model, cache, path=ScorePath("packed", scorer.path.head))
+    packed = Scorer(model, cache, method=ScoringMethod("packed", scorer.method.head))
     packed_scores, packed_seconds, _ = timed(packed.score, device, args.repeats)
     report["ours_packed_rows"] = {"seconds": packed_seconds, "max_abs_diff_vs_ours": float((packed_scores - ours).abs().max())}
     save(report, args.json)  # each part is kept as soon as it is measured, should a later one fail
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     training_steps(model, optimizer, 3, batch, device)  # warm-up: optimizer state, kernels
     # A scorer built now sees the memory left beside training, as the callback's would.
     train_scorer = Scorer(model, cache)
-    train_scorer.score()  # its one-time path check, outside the timed loops
+    train_scorer.score()  # its method check, outside the timed loops
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     plain = training_steps(model, optimizer, args.steps, batch, device)

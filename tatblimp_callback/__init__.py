@@ -5,8 +5,8 @@ for custom loops, ``load_benchmark`` for the data, and the ``tatblimp`` command.
 ``evaluate_forced_choice`` (local) and ``evaluate_endpoint`` (an OpenAI-compatible server).
 """
 
-from .callback import TatBLiMPCallback
 from .cache import SentenceCache, build_cache
+from .callback import TatBLiMPCallback
 from .data import Benchmark, BenchmarkError, Pair, load_benchmark
 from .distributed import PeerFailure, this_process_only
 from .endpoint import ChatClient, EndpointError, evaluate_endpoint
@@ -14,7 +14,7 @@ from .evaluation import Evaluator, evaluate
 from .forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
 from .loading import load_tokenizer
 from .metrics import GroupResult, PairResult, Results, compute_results
-from .scoring import ScorePath, Scorer, ScoringError
+from .scoring import Scorer, ScoringError, ScoringMethod
 from .tokenization import SentencePieceTokenizer, TokenizationError
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
@@ -32,9 +32,9 @@ __all__ = [
     "PairResult",
     "PeerFailure",
     "Results",
-    "ScorePath",
     "Scorer",
     "ScoringError",
+    "ScoringMethod",
     "SentenceCache",
     "SentencePieceTokenizer",
     "TatBLiMPCallback",

@@ -1,7 +1,13 @@
-"""The pre-tokenized benchmark: every sentence's token ids and byte length as tensors on one device.
+"""The pre-tokenized benchmark: every sequence's token ids and byte length as tensors on one device.
 
-Built once (tokenization is the slow part on a CPU), then scored any number of times. Sentence
-``2*i`` is pair ``i``'s grammatical sentence and ``2*i + 1`` its ungrammatical one.
+Built once (tokenization is the slow part on a CPU), then scored any number of times. One type
+holds both protocols' sequences and says what the scorer reads from them:
+
+- sentences (``build_cache``): every next token after the prefix token. Sentence ``2*i`` is pair
+  ``i``'s grammatical sentence and ``2*i + 1`` its ungrammatical one;
+- forced-choice prompts (``forced_choice.build_prompt_cache``, ``answer_ids`` set): the log-probs
+  of the answer tokens after the last position. Prompt ``2*i`` shows pair ``i`` good first,
+  ``2*i + 1`` bad first.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ CACHE_FORMAT = 1
 
 @dataclass
 class SentenceCache:
-    """Token ids of all sentences, flat, with offsets, byte lengths and pair labels.
+    """Token ids of all sentences (or forced-choice prompts), flat, with offsets, byte lengths and pair labels.
 
-    ``token_ids[offsets[s]:offsets[s + 1]]`` is sentence ``s``, prefix token first.
+    ``token_ids[offsets[s]:offsets[s + 1]]`` is sentence ``s``, prefix token first (a prompt
+    carries its chat template's own tokens instead).
     """
 
     token_ids: torch.Tensor  # [total tokens] int64
@@ -36,14 +43,21 @@ class SentenceCache:
     subtype_index: torch.Tensor  # [pairs] int64, into ``subtypes``; -1 where a pair has none
     phenomena: list[str]
     subtypes: list[str]
-    prefix_token_id: int
+    prefix_token_id: int  # put before every sentence; it also pads rows (prompts: the tokenizer's pad token)
     tokenizer_name: str
     fingerprint: str
     benchmark_source: str
     benchmark_md5: str
     benchmark_release: str
     truncated: list[int] = field(default_factory=list)  # sentences cut to fit the model's context
+    # Forced choice: the answer tokens whose log-probs are read after each prompt; empty: every next token is read.
+    answer_ids: tuple[int, ...] = ()
+    prompt: str | None = None  # forced choice: the user message template and the system message
+    system_prompt: str | None = None
     _host_lengths: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.answer_ids = tuple(self.answer_ids)  # a list when read back from a saved cache
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +136,9 @@ class SentenceCache:
             "benchmark_md5": self.benchmark_md5,
             "benchmark_release": self.benchmark_release,
             "truncated": list(self.truncated),
+            "answer_ids": list(self.answer_ids),
+            "prompt": self.prompt,
+            "system_prompt": self.system_prompt,
         }
 
 
@@ -162,26 +179,34 @@ def build_cache(
 
     sentences = benchmark.sentences
     encoded = encode_sentences(tokenizer, sentences, prefix)
+    cache = cache_from_token_lists(
+        encoded, benchmark, sentences, prefix_token_id=prefix, tokenizer_name=tokenizer_name(tokenizer), fingerprint=fingerprint
+    )
+    if cache_path is not None:
+        cache.save(cache_path)
+    return cache.to(device)
+
+
+def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts: list[str], **fields: Any) -> SentenceCache:
+    """A cache (on the CPU) of these token lists, sequence ``k`` encoding ``texts[k]``, labelled with ``benchmark``'s pairs.
+
+    ``fields``: the remaining ``SentenceCache`` fields (prefix token, tokenizer name, fingerprint, ...).
+    """
     lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
     phenomena = benchmark.phenomena
     subtypes = sorted({p.subtype for p in benchmark.pairs if p.subtype is not None})
-    cache = SentenceCache(
+    return SentenceCache(
         token_ids=torch.tensor([t for ids in encoded for t in ids], dtype=torch.long),
         offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        byte_lengths=torch.tensor([len(s.encode("utf-8")) for s in sentences], dtype=torch.long),
+        byte_lengths=torch.tensor([len(text.encode("utf-8")) for text in texts], dtype=torch.long),
         phenomenon_index=torch.tensor([phenomena.index(p.phenomenon) for p in benchmark.pairs], dtype=torch.long),
         subtype_index=torch.tensor(
             [subtypes.index(p.subtype) if p.subtype is not None else -1 for p in benchmark.pairs], dtype=torch.long
         ),
         phenomena=phenomena,
         subtypes=subtypes,
-        prefix_token_id=prefix,
-        tokenizer_name=tokenizer_name(tokenizer),
-        fingerprint=fingerprint,
         benchmark_source=benchmark.source,
         benchmark_md5=benchmark.md5,
         benchmark_release=benchmark.release,
+        **fields,
     )
-    if cache_path is not None:
-        cache.save(cache_path)
-    return cache.to(device)

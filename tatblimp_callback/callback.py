@@ -305,11 +305,11 @@ class TatBLiMPCallback(TrainerCallback):
                     results.non_finite_pairs,
                     ", ".join(name for name, group in results.phenomena.items() if group.non_finite),
                 )
-            metrics[f"{self.log_prefix}/eval_seconds"] = results.extra["seconds"]
+            metrics[f"{self.log_prefix}/eval_seconds"] = results.run_info["seconds"]
         if fc_results is not None:
             self.last_fc_results = fc_results
             metrics.update(fc_results.flat_metrics(f"{self.log_prefix}_fc"))
-            metrics[f"{self.log_prefix}_fc/eval_seconds"] = fc_results.extra["seconds"]
+            metrics[f"{self.log_prefix}_fc/eval_seconds"] = fc_results.run_info["seconds"]
         if self.failures:
             metrics[f"{self.log_prefix}/failures"] = float(self.failures)
         self._last_metrics = metrics

@@ -63,7 +63,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         truncate=args.truncate,
     )
     if mismatches is not None:
-        results.extra["sentencepiece_mismatches"] = mismatches
+        results.run_info["sentencepiece_mismatches"] = mismatches
     return results
 
 
@@ -78,7 +78,7 @@ def run_score(args: argparse.Namespace) -> None:
     if not args.model:
         raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
     results = evaluate_from_args(args, args.model)
-    results.extra["model"] = args.model
+    results.run_info["model"] = args.model
     print(results.format_table())
     if args.output:
         write_json(args.output, results.to_dict())

@@ -1,9 +1,10 @@
 """Scoring on several processes (DDP, FSDP, DeepSpeed, plain ``torch.distributed``), without hangs.
 
 Every process holds the same cache and builds the same layout of batches. The batches are dealt
-out by token count (``assign``), each process scores its share into a zero vector of all sentences,
-and one ``all_reduce(SUM)`` adds the vectors up: every sentence is scored on exactly one process,
-so the sums are bitwise those of that batch on one process (adding zeros is exact).
+out by token count (``assign``), each process writes its share's log-probs into a zero matrix of all
+sequences' cells, and one ``all_reduce(SUM)`` adds the matrices up: every cell is computed on
+exactly one process, so the result is bitwise that of one process (adding zeros is exact), and so
+are the per-sentence sums taken from it afterwards.
 
 Collectives must be called in the same order on every process, or a job hangs. The scorer keeps
 that invariant with *check-ins*: one small ``all_reduce`` that every process reaches at the same
@@ -95,26 +96,26 @@ def assign(costs: Sequence[int], world_size: int) -> list[list[int]]:
 
 
 def shard(batches: Sequence[Any], *, split: bool = True, lockstep: bool = False) -> Iterator[tuple[Any, bool]]:
-    """This process's batch steps as ``(batch, keep)``, with a check-in before each and after the last.
+    """This process's batch steps as ``(batch, is_filler)``, with a check-in before each and after the last.
 
     ``split``: deal the batches out (``assign`` by ``num_positions``); otherwise every process runs
     all of them. ``lockstep``: every process runs as many forward calls as the busiest one, the
-    short ones repeating a batch with ``keep=False`` (its result must be dropped); needed when a
-    forward call is a collective. On one process it yields every batch with ``keep=True`` and
-    does nothing else.
+    short ones repeating a batch as a filler (``is_filler=True``: its result must be dropped);
+    needed when a forward call is a collective. On one process it yields every batch with
+    ``is_filler=False`` and does nothing else.
     """
     rank, size = world()
     if size == 1:
-        yield from ((batch, True) for batch in batches)
+        yield from ((batch, False) for batch in batches)
         return
     shares = assign([b.num_positions for b in batches], size) if split else [list(range(len(batches)))] * size
     mine = shares[rank]
     for step in range(max(len(share) for share in shares)):
         check_in()
         if step < len(mine):
-            yield batches[mine[step]], True
+            yield batches[mine[step]], False
         elif lockstep and batches:
-            yield batches[mine[-1] if mine else 0], False
+            yield batches[mine[-1] if mine else 0], True
     check_in()
 
 
@@ -163,7 +164,7 @@ def all_agree(vote: bool) -> bool:
     return check_in(vote=vote)[0]
 
 
-def smallest(value: int) -> int:
+def min_over_processes(value: int) -> int:
     """The smallest ``value`` over all processes (e.g. a memory budget every process can afford)."""
     return -check_in(value=-value)[1]
 

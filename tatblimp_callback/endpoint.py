@@ -258,7 +258,7 @@ def evaluate_endpoint(
         "retries": client.retries,
     }
     return compute_choice_results(
-        benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, extra=extra
+        benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, run_info=extra
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from . import distributed
 from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
-from .scoring import ScorePath, Scorer, unwrap_model
+from .scoring import Scorer, ScoringMethod, unwrap_model
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -38,7 +39,8 @@ class Evaluator:
         allow_modified: accept a benchmark file that is not the official release.
         memory_budget: extra bytes one evaluation may use (default: from free device memory).
         truncate: cut sentences longer than the model's context instead of raising.
-        path: force a scoring path ("tree", "packed", "padded" or a ``ScorePath``); default: checked once.
+        method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
+            default: chosen and checked by the scorer.
         cache_path: a safetensors file to load the cache from, or to save it to once built.
     """
 
@@ -52,7 +54,7 @@ class Evaluator:
         allow_modified: bool = False,
         memory_budget: int | None = None,
         truncate: bool = False,
-        path: ScorePath | str | None = None,
+        method: ScoringMethod | str | None = None,
         cache_path: str | os.PathLike | None = None,
     ):
         if tokenizer is None and cache is None:
@@ -64,29 +66,17 @@ class Evaluator:
         self.allow_modified = allow_modified
         self.memory_budget = memory_budget
         self.truncate = truncate
-        self.path = path
+        self.method = method
         self.cache_path = cache_path
         self._scorer: Scorer | None = None
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
         """Build (or move) the cache to the model's device and set up the scorer; done once per model."""
-        device = model_device(model)
-        if self.cache is None:
-            self.cache = build_cache(
-                self.tokenizer,
-                self.data,
-                device=device,
-                prefix_token_id=self.prefix_token_id,
-                allow_modified=self.allow_modified,
-                cache_path=self.cache_path,
-            )
-        elif self.cache.device != device:
-            self.cache = self.cache.to(device)
-        if self._scorer is None or self._scorer.model is not model:
-            self._scorer = Scorer(
-                model, self.cache, memory_budget=self.memory_budget, truncate=self.truncate, path=self.path
-            )
-        return self._scorer
+        def build(device: torch.device) -> SentenceCache:
+            return build_cache(self.tokenizer, self.data, device=device, prefix_token_id=self.prefix_token_id,
+                               allow_modified=self.allow_modified, cache_path=self.cache_path)
+
+        return scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
 
     def __call__(self, model: torch.nn.Module) -> Results:
         """Score every pair with ``model`` and return the results.
@@ -96,18 +86,40 @@ class Evaluator:
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
-        start = time.perf_counter()
-        logprobs = scorer.score()
-        seconds = time.perf_counter() - start
-        layout = scorer.layout()
-        extra = {
-            "path": str(scorer.path),
-            "seconds": seconds,
-            "padding_share": layout.padding_share,
-            "shared_share": layout.shared_share,
-            "oom_retries": scorer.oom_retries,
-        }
-        return compute_results(scorer.cache, logprobs, extra)
+        logprobs, run_info = timed_score(scorer)
+        return compute_results(scorer.cache, logprobs, run_info)
+
+
+def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:
+    """``evaluator._scorer`` for ``model``, made once per model (``Scorer(model, cache, **options)``).
+
+    The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
+    and moved there when it is elsewhere.
+    """
+    device = model_device(model)
+    if evaluator.cache is None:
+        evaluator.cache = build(device)
+    elif evaluator.cache.device != device:
+        evaluator.cache = evaluator.cache.to(device)
+    if evaluator._scorer is None or evaluator._scorer.model is not model:
+        evaluator._scorer = Scorer(model, evaluator.cache, **options)
+    return evaluator._scorer
+
+
+def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries."""
+    start = time.perf_counter()
+    logprobs = scorer.score()
+    seconds = time.perf_counter() - start
+    layout = scorer.layout()
+    return logprobs, {
+        "scoring_method": str(scorer.method),
+        "seconds": seconds,
+        "padding_share": layout.padding_share,
+        "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
+        "oom_retries": scorer.oom_retries,
+        "method_replacements": scorer.method_replacements,
+    }
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None, **options) -> Results:

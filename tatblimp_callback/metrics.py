@@ -14,8 +14,9 @@ compared pair by pair.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class Results:
     tokens: int  # scored tokens over all sentences
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # path used, timings, step, ...
+    run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
 
     @property
     def acc(self) -> float:
@@ -154,7 +155,7 @@ class Results:
             "subtypes": {name: group.to_dict() for name, group in self.subtypes.items()},
             "outcomes": self.outcomes(),
             "pairs": [asdict(pair) for pair in self.pairs],
-            **self.extra,
+            **self.run_info,
         }
 
     def outcomes(self) -> dict[str, Any]:
@@ -228,7 +229,7 @@ class Results:
         return columns, rows
 
 
-def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None = None) -> Results:
+def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | None = None) -> Results:
     """Metrics from per-sentence log-probs in cache order (sentence 2*i good, 2*i+1 bad)."""
     logprobs = np.asarray(logprobs.cpu() if hasattr(logprobs, "cpu") else logprobs, dtype=np.float64)
     good, bad = logprobs[0::2], logprobs[1::2]
@@ -241,10 +242,11 @@ def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None
     def group(mask: np.ndarray) -> GroupResult:
         return _group_result(good[mask], bad[mask], good_bytes[mask], bad_bytes[mask])
 
+    overall, phenomena = grouped(group, phenomenon_index, cache.phenomena)
     return Results(
-        overall=group(np.ones(len(good), dtype=bool)),
-        phenomena={name: group(phenomenon_index == i) for i, name in enumerate(cache.phenomena)},
-        subtypes={name: group(subtype_index == i) for i, name in enumerate(cache.subtypes)},
+        overall=overall,
+        phenomena=phenomena,
+        subtypes=grouped(group, subtype_index, cache.subtypes)[1],
         pairs=[
             PairResult(
                 good_logprob=float(good[i]),
@@ -265,8 +267,26 @@ def compute_results(cache: SentenceCache, logprobs, extra: dict[str, Any] | None
         tokens=int(tokens.sum()),
         bytes=int(byte_lengths.sum()),
         truncated_sentences=len(cache.truncated),
-        extra=dict(extra or {}),
+        run_info=dict(run_info or {}),
     )
+
+
+G = TypeVar("G")
+
+
+def overall_metric(name: str) -> property:
+    """A read-only property giving ``self.overall.<name>``: a results object's headline numbers."""
+    return property(lambda self: getattr(self.overall, name), doc=f"``overall.{name}``")
+
+
+def grouped(summarise: Callable[[np.ndarray], G], group_index: np.ndarray, names: Sequence[str]) -> tuple[G, dict[str, G]]:
+    """``summarise(mask)`` over all pairs, and over each named group of them (both protocols' results use it).
+
+    ``mask`` is a boolean array over pairs; ``group_index[i]`` is pair ``i``'s index in ``names``
+    (-1: in no group).
+    """
+    overall = summarise(np.ones(len(group_index), dtype=bool))
+    return overall, {name: summarise(group_index == i) for i, name in enumerate(names)}
 
 
 def _group_result(good, bad, good_bytes, bad_bytes) -> GroupResult:

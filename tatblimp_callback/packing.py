@@ -16,8 +16,12 @@ Three layouts share one shape, a list of ``Batch`` objects:
 Each batch also says which of its positions are read and which token each of them must predict
 for which sentence: a position may be the context of several sentences' tokens. A sentence's last
 token predicts nothing, so it is left out of the rows: a sentence of ``n`` tokens needs ``n - 1``
-positions. The forced-choice prompts use the same layouts, each prompt followed by its answer and
-only its last position read (``last_only``).
+positions. The forced-choice prompts use the same layouts with ``answer_ids``: every token of a
+prompt is an input, and only its last position is read, for the log-prob of each answer token.
+
+Every scored (position, token) also names its cell in a [sequences x slots] matrix: for sentences
+the slot is the token's place in the sentence, for prompts the answer's index. Each cell is written
+once, so the scorer can sum a sentence's tokens in a fixed order, whatever the batching.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Batch:
     score_contexts: torch.Tensor  # [t] for each scored token, its context: an index into score_positions
     score_targets: torch.Tensor  # [t] token ids to be predicted
     score_sentences: torch.Tensor  # [t] sentence (or prompt) index of each scored token
+    score_slots: torch.Tensor  # [t] its column in the [sequences x slots] matrix (token place, or answer index)
 
     @property
     def num_positions(self) -> int:
@@ -54,14 +59,14 @@ class Layout:
     batches: list[Batch]
     padded_positions: int
     total_positions: int
-    sentence_positions: int  # positions the sentences would take one by one (all tokens but the last)
+    sentence_positions: int  # positions the sequences would take one by one (their inputs)
 
     @property
     def padding_share(self) -> float:
         return self.padded_positions / max(self.total_positions, 1)
 
     @property
-    def shared_share(self) -> float:
+    def saved_by_prefix_sharing(self) -> float:
         """Share of the sentences' positions that prefix sharing saved (0 unless ``kind == "tree"``)."""
         used = self.total_positions - self.padded_positions
         return 1 - used / max(self.sentence_positions, 1)
@@ -126,22 +131,23 @@ def build_layout(
     pad_id: int,
     device: torch.device | str = "cpu",
     chosen: list[int] | None = None,
-    last_only: bool = False,
+    answer_ids: tuple[int, ...] = (),
     tree_mask_dtype: torch.dtype = torch.bool,
 ) -> Layout:
     """Rows of the given kind, grouped into batches of at most ``tokens_per_batch`` positions.
 
-    A sequence's inputs are all its tokens but the last, its targets all but the first; with
-    ``last_only`` only its last target is scored (one position read per sequence). ``chosen``
-    limits the layout to those sequence indices (all by default). ``tree_mask_dtype``: the tree
-    layout's mask is boolean (True: attend), or additive in this floating dtype (0 or its most
-    negative value), as the model's attention wants it.
+    Without ``answer_ids`` a sequence's inputs are all its tokens but the last and its targets all
+    but the first. With ``answer_ids`` all its tokens are inputs and its last position is read for
+    each answer token (one position read per sequence). ``chosen`` limits the layout to those
+    sequence indices (all by default). ``tree_mask_dtype``: the tree layout's mask is boolean (True:
+    attend), or additive in this floating dtype (0 or its most negative value), as the model's
+    attention wants it.
     """
     chosen = list(range(len(sequences)) if chosen is None else chosen)
-    inputs = {s: len(sequences[s]) - 1 for s in chosen}
+    inputs = {s: len(sequences[s]) - (0 if answer_ids else 1) for s in chosen}
     row_length = max(row_length, max(inputs.values()))
     if kind == "tree":
-        rows = [[chosen[i] for i in row] for row in tree_rows([sequences[s][:-1] for s in chosen], row_length)]
+        rows = [[chosen[i] for i in row] for row in tree_rows([sequences[s][: inputs[s]] for s in chosen], row_length)]
         widths = [row_length] * len(rows)
     elif kind == "packed":
         rows = [[chosen[i] for i in row] for row in pack_rows([inputs[s] for s in chosen], row_length)]
@@ -161,7 +167,7 @@ def build_layout(
         end, limit = start + 1, min(len(rows), start + max(1, tokens_per_batch // width))
         while end < limit and 4 * widths[end] >= 3 * width:
             end += 1
-        batch, positions = _make_batch(rows[start:end], width, sequences, pad_id, kind, last_only, tree_mask_dtype)
+        batch, positions = _make_batch(rows[start:end], width, sequences, pad_id, kind, answer_ids, tree_mask_dtype)
         batches.append(_to_device(batch, device))
         used += positions
         total += batch.num_positions
@@ -175,13 +181,13 @@ def build_layout(
     )
 
 
-def _make_batch(rows, width, sequences, pad_id, kind, last_only, tree_mask_dtype) -> tuple[Batch, int]:
+def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtype) -> tuple[Batch, int]:
     """The batch of these rows, and how many of its positions are not padding."""
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     used = torch.zeros((len(rows), width), dtype=torch.long)
     allowed = [], [], []  # tree rows: (row, query column, key column) of every pair that may attend
-    positions, contexts, targets, owners = [], [], [], []
+    positions, contexts, targets, owners, slots = [], [], [], [], []
     filled = 0
     for r, row in enumerate(rows):
         columns: dict[tuple[int, int], int] = {}  # a node of the row -> its column
@@ -189,8 +195,9 @@ def _make_batch(rows, width, sequences, pad_id, kind, last_only, tree_mask_dtype
         read: dict[int, int] = {}  # column -> its index in ``positions``
         for sequence in row:
             ids = sequences[sequence]
+            last = len(ids) - (1 if answer_ids else 2)  # the depth of its last input
             parent = -1
-            for depth, token in enumerate(ids[:-1]):
+            for depth, token in enumerate(ids[: last + 1]):
                 # In a tree a node is a distinct prefix; otherwise every sequence has positions of its own.
                 node = (parent, token) if kind == "tree" else (sequence, depth)
                 column = columns.get(node)
@@ -200,14 +207,17 @@ def _make_batch(rows, width, sequences, pad_id, kind, last_only, tree_mask_dtype
                     input_ids[r, column] = token
                     position_ids[r, column] = depth
                 parent = column
-                if last_only and depth < len(ids) - 2:
+                if answer_ids and depth < last:
                     continue
                 if column not in read:
                     read[column] = len(positions)
                     positions.append(r * width + column)
-                contexts.append(read[column])
-                targets.append(ids[depth + 1])
-                owners.append(sequence)
+                read_here = enumerate(answer_ids) if answer_ids else [(depth, ids[depth + 1])]
+                for slot, target in read_here:
+                    contexts.append(read[column])
+                    targets.append(target)
+                    owners.append(sequence)
+                    slots.append(slot)
         filled += len(ancestors)
         used[r, : len(ancestors)] = 1
         # Padding after the last sequence: its own position run, so it is a separate block when packed.
@@ -234,6 +244,7 @@ def _make_batch(rows, width, sequences, pad_id, kind, last_only, tree_mask_dtype
         score_contexts=torch.tensor(contexts, dtype=torch.long),
         score_targets=torch.tensor(targets, dtype=torch.long),
         score_sentences=torch.tensor(owners, dtype=torch.long),
+        score_slots=torch.tensor(slots, dtype=torch.long),
     )
     return batch, filled
 

@@ -7,7 +7,8 @@ WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test; each rank writes
 
 - ``scorer``: the sharded scorer against a one-process score made before the process group
   exists; failures injected on one rank (inside scoring, before scoring, out of memory); FSDP2;
-  forced choice, sharded, against one process.
+  forced choice (the same engine on prompts), sharded, under FSDP2, and with a failure while
+  preparing on one rank.
 - ``trainer``: an HF Trainer under DDP with ``TatBLiMPCallback``; the evaluation at step 4 fails
   on rank 1 only. Afterwards rank 0 scores the saved weights of every evaluation on one process.
 """
@@ -27,9 +28,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import CHAT_TEMPLATE, tiny_llama  # noqa: E402
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
-from tatblimp_callback import Evaluator, Scorer, ScorePath, TatBLiMPCallback, build_cache, scoring  # noqa: E402
+from tatblimp_callback import Evaluator, ForcedChoiceEvaluator, Scorer, ScoringMethod, TatBLiMPCallback, build_cache  # noqa: E402
 from tatblimp_callback import distributed as tdist  # noqa: E402
-from tatblimp_callback.forced_choice import ForcedChoiceScorer, build_prompt_cache  # noqa: E402
+from tatblimp_callback import memory_budget  # noqa: E402
+from tatblimp_callback.forced_choice import DEFAULT_ROW_LENGTH as FC_ROW  # noqa: E402
+from tatblimp_callback.forced_choice import build_prompt_cache  # noqa: E402
 
 BUDGET = 2**20  # small, so that the 96 sentences make several batches
 ROW = 160  # 9 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank
@@ -53,6 +56,20 @@ def fail_on(rank: int, call: int, error=Injected):
 
     Scorer._batch_logprobs = patched
     return lambda: setattr(Scorer, "_batch_logprobs", original)
+
+
+def failing_prepare(evaluator, what: str):
+    """``evaluator``, whose next ``prepare`` raises on rank 1 (once), before any scoring."""
+    prepare = evaluator.prepare
+
+    def fail_once(model):
+        evaluator.prepare = prepare
+        if dist.get_rank() == 1:
+            raise Injected(f"{what} failed on rank 1")
+        return prepare(model)
+
+    evaluator.prepare = fail_once
+    return evaluator
 
 
 def outcome(function):
@@ -89,23 +106,30 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     model = tiny_llama(len(tokenizer))
     out = {"one_process": Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()}
     # What FSDP will use: the model's own logits (same budget, so the same batches).
-    out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, path=ScorePath("tree", "logits")).score()
+    out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, method=ScoringMethod("tree", "full_logits")).score()
     out["one_process_evaluator"] = [p.good_logprob for p in Evaluator(cache=cache, memory_budget=BUDGET)(model).pairs]
     prompts = build_prompt_cache(chat_tokenizer(tokenizer), workdir / "small.jsonl", allow_modified=True)
-    out["fc_one_process"] = ForcedChoiceScorer(model, prompts, memory_budget=BUDGET).logprobs()
+    out["fc_one_process"] = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW).score()
+    fc_logits = ScoringMethod("tree", "full_logits")
+    out["fc_one_process_logits"] = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW, method=fc_logits).score()
+    out["fc_one_process_evaluator"] = [i.logprob_a for i in ForcedChoiceEvaluator(cache=prompts, memory_budget=BUDGET)(model).items]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 
-    fc_scorer = ForcedChoiceScorer(model, prompts, memory_budget=BUDGET)
-    fc_scorer.logprobs()  # the path check: every process runs all of its sample
+    fc_scorer = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW)
+    fc_scorer.score()  # the method check: every process runs all of its sample
     forwards = count_forwards(model)
-    out["fc_sharded"] = fc_scorer.logprobs()
+    out["fc_sharded"] = fc_scorer.score()
     out["fc_forwards"] = forwards[0]
-    out["fc_batch_sizes"] = [b.num_positions for b in fc_scorer.layout(fc_scorer.path.layout).batches]
+    out["fc_batch_sizes"] = [b.num_positions for b in fc_scorer.layout().batches]
     remove_counter(model)
+
+    fc_evaluator = ForcedChoiceEvaluator(cache=prompts, memory_budget=BUDGET)
+    out["fc_failure_before"] = outcome(lambda: failing_prepare(fc_evaluator, "forced-choice prepare")(model))
+    out["fc_evaluator_after_failure"] = [i.logprob_a for i in fc_evaluator(model).items]
 
     scorer = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)
     out["sharded"] = scorer.score()
-    out["path"] = str(scorer.path)
+    out["method"] = str(scorer.method)
     forwards = count_forwards(model)
     out["sharded_again"] = scorer.score()
     out["forwards"] = forwards[0]
@@ -122,21 +146,12 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     out["after_failure"] = scorer.score()
 
     evaluator = Evaluator(cache=cache, memory_budget=BUDGET)
-    prepare = evaluator.prepare
-
-    def failing_prepare(m):
-        if dist.get_rank() == 1:
-            raise Injected("prepare failed on rank 1")
-        return prepare(m)
-
-    evaluator.prepare = failing_prepare
-    out["failure_before"] = outcome(lambda: evaluator(model))
-    evaluator.prepare = prepare
+    out["failure_before"] = outcome(lambda: failing_prepare(evaluator, "prepare")(model))
     out["evaluator_after_failure"] = [p.good_logprob for p in evaluator(model).pairs]
 
-    scoring.MIN_MEMORY_BUDGET = BUDGET // 4  # let the retry go below the library's floor
+    memory_budget.MIN_MEMORY_BUDGET = BUDGET // 4  # let the retry go below the library's floor
     restore = fail_on(rank=0, call=3, error=torch.OutOfMemoryError)
-    oom_scorer = Scorer(model, cache, row_length=ROW, memory_budget=2 * BUDGET, path=scorer.path)
+    oom_scorer = Scorer(model, cache, row_length=ROW, memory_budget=2 * BUDGET, method=scorer.method)
     out["after_oom"] = oom_scorer.score()
     out["oom_retries"] = oom_scorer.oom_retries
     out["oom_budget"] = oom_scorer.memory_budget
@@ -147,11 +162,13 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
             out["alone"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()
     dist.barrier()
 
-    out["fsdp"] = outcome(lambda: fsdp_scores(model, cache, out))
+    out["fsdp"] = outcome(lambda: fsdp_scores(model, cache, out, "fsdp", row_length=ROW))
+    out["fc_fsdp"] = outcome(lambda: fsdp_scores(model, prompts, out, "fc_fsdp", row_length=FC_ROW))
     return out
 
 
-def fsdp_scores(model, cache, out: dict) -> torch.Tensor:
+def fsdp_scores(model, cache, out: dict, name: str, row_length: int) -> torch.Tensor:
+    """Scores of ``cache`` by an FSDP2 (``fully_shard``) copy of ``model``; its method and forward counts go in ``out``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -160,13 +177,13 @@ def fsdp_scores(model, cache, out: dict) -> torch.Tensor:
     for layer in sharded.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    scorer = Scorer(sharded, cache, row_length=ROW, memory_budget=BUDGET)
+    scorer = Scorer(sharded, cache, row_length=row_length, memory_budget=BUDGET)
+    scorer.score()  # the method check: every process runs all of its sample
     forwards = count_forwards(sharded)
     scores = scorer.score()
-    out["fsdp_path"] = str(scorer.path)
-    out["fsdp_forwards"] = forwards[0]
-    out["fsdp_batches"] = len(scorer.layout().batches)
-    out["fsdp_batch_sizes"] = [b.num_positions for b in scorer.layout().batches]
+    out[f"{name}_method"] = str(scorer.method)
+    out[f"{name}_forwards"] = forwards[0]
+    out[f"{name}_batch_sizes"] = [b.num_positions for b in scorer.layout().batches]
     return scores
 
 

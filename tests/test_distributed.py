@@ -72,7 +72,7 @@ def test_assignment_balances_tokens_and_covers_every_batch_once():
 
 def test_one_process_runs_every_batch_without_collectives():
     batches = ["a", "b", "c"]
-    assert list(shard(batches, lockstep=True)) == [("a", True), ("b", True), ("c", True)]
+    assert list(shard(batches, lockstep=True)) == [("a", False), ("b", False), ("c", False)]  # no fillers
 
 
 # -- the scorer on two processes -----------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_sharded_scores_equal_one_process_bitwise(scorer_run):
             assert torch.equal(out[key], one), key
     assert torch.equal(ranks[0]["one_process"], ranks[1]["one_process"])
     assert torch.equal(ranks[0]["alone"], ranks[0]["one_process"])  # this_process_only: no collectives
-    assert ranks[0]["path"] == ranks[1]["path"] == "tree rows, chunked head"
+    assert ranks[0]["method"] == ranks[1]["method"] == "tree rows, tiled head"
     # Every batch runs exactly once, on the rank the token-balanced assignment gives it.
     sizes = ranks[0]["batch_sizes"]
     assert len(sizes) == 9
@@ -108,10 +108,11 @@ def test_forced_choice_is_sharded_and_equals_one_process_bitwise(scorer_run):
 
 def test_short_shards_repeat_a_batch_only_in_lockstep(scorer_run):
     ranks, _ = scorer_run
-    # Batches of 30, 20 and 10 tokens: rank 0 takes the 30, rank 1 the 20 and the 10.
-    assert ranks[0]["lockstep"] == [("a", True), ("a", False)]
-    assert ranks[1]["lockstep"] == [("b", True), ("c", True)]
-    assert ranks[0]["no_lockstep"] == [("a", True)]
+    # Batches of 30, 20 and 10 tokens: rank 0 takes the 30, rank 1 the 20 and the 10; in
+    # lockstep rank 0 repeats its batch as a filler (is_filler=True), whose result is dropped.
+    assert ranks[0]["lockstep"] == [("a", False), ("a", True)]
+    assert ranks[1]["lockstep"] == [("b", False), ("c", False)]
+    assert ranks[0]["no_lockstep"] == [("a", False)]
 
 
 def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
@@ -121,23 +122,30 @@ def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
     assert ranks[0]["failure_inside"] == "PeerFailure: tatblimp: scoring failed on process 1; see its log"
     assert ranks[1]["failure_before"] == "Injected: prepare failed on rank 1"
     assert ranks[0]["failure_before"].startswith("PeerFailure")
+    # Forced choice prepares inside the same agreement: rank 0 ends too, rather than wait in a collective.
+    assert ranks[1]["fc_failure_before"] == "Injected: forced-choice prepare failed on rank 1"
+    assert ranks[0]["fc_failure_before"] == "PeerFailure: tatblimp: scoring failed on process 1; see its log"
     # Both stayed in step: the next evaluations give the one-process numbers (checked above) ...
     for out in ranks:
         assert out["evaluator_after_failure"] == out["one_process_evaluator"]
+        assert out["fc_evaluator_after_failure"] == out["fc_one_process_evaluator"]
         # ... and out of memory on rank 0 made both retry once with the same halved budget.
         assert (out["oom_retries"], out["oom_budget"]) == (1, 2**20)
 
 
-def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run):
+@pytest.mark.parametrize("protocol", ["sentences", "forced_choice"])
+def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run, protocol):
     ranks, _ = scorer_run
+    name, one_process = ("fsdp", "one_process_logits") if protocol == "sentences" else ("fc_fsdp", "fc_one_process_logits")
     for out in ranks:
-        assert isinstance(out["fsdp"], torch.Tensor), out["fsdp"]
-        assert out["fsdp_path"] == "tree rows, logits head"
-        assert torch.equal(out["fsdp"], out["one_process_logits"])
-    # 9 batches over 2 ranks: one rank repeats a batch so both run the same forward calls.
-    shares = assign(ranks[0]["fsdp_batch_sizes"], 2)
-    assert sorted(len(share) for share in shares) == [4, 5]
-    assert ranks[0]["fsdp_forwards"] == ranks[1]["fsdp_forwards"]
+        assert isinstance(out[name], torch.Tensor), out[name]
+        assert out[f"{name}_method"] == "tree rows, full logits"
+        assert torch.equal(out[name], out[one_process])
+    # The batches are dealt out, and a rank with fewer repeats one: both run the busier rank's forward calls.
+    shares = assign(ranks[0][f"{name}_batch_sizes"], 2)
+    if protocol == "sentences":
+        assert sorted(len(share) for share in shares) == [4, 5]  # 9 batches: one rank repeats one
+    assert ranks[0][f"{name}_forwards"] == ranks[1][f"{name}_forwards"] == max(len(share) for share in shares) >= 2
 
 
 # -- an HF Trainer under DDP ---------------------------------------------------------------------

@@ -150,7 +150,7 @@ def test_endpoint_answers_equal_local_forced_choice(model, chat_tokenizer, ep_da
     # Greedy generation restricted to A/B picks the letter with the higher log-prob: the local decision.
     assert [i.answer for i in results.items] == [i.answer for i in local.items]
     assert (results.accuracy, results.both_orders, results.a_share) == (local.accuracy, local.both_orders, local.a_share)
-    assert results.extra["retries"] == 0 and 1 <= server.most_in_flight <= 4
+    assert results.run_info["retries"] == 0 and 1 <= server.most_in_flight <= 4
 
 
 def test_free_generation_is_parsed_strictly_and_counted(model, chat_tokenizer, ep_data):
@@ -182,7 +182,7 @@ def test_408_429_and_5xx_are_retried(model, chat_tokenizer, ep_data, local):
         client = ChatClient(server.url, "tiny-chat", extra_body=GUIDED)
         results = evaluate_endpoint(client, ep_data, concurrency=1, allow_modified=True)
     # One at a time: the first item is refused four times, then answered.
-    assert len(server.requests) == 36 and client.retries == 4 and results.extra["retries"] == 4
+    assert len(server.requests) == 36 and client.retries == 4 and results.run_info["retries"] == 4
     assert server.requests[4] == server.requests[0]
     assert [i.answer for i in results.items] == [i.answer for i in local.items]
 
@@ -247,7 +247,7 @@ def test_results_file_resumes_failed_items(model, chat_tokenizer, ep_data, local
         results = evaluate_endpoint(
             ChatClient(server.url, "tiny-chat", extra_body=GUIDED), ep_data, results_path=results_path, allow_modified=True
         )
-    assert len(server.requests) == 6 and results.extra["resumed_items"] == 26 and results.extra["requests"] == 6
+    assert len(server.requests) == 6 and results.run_info["resumed_items"] == 26 and results.run_info["requests"] == 6
     assert [i.answer for i in results.items] == [i.answer for i in local.items]
     assert len(results_path.read_text(encoding="utf-8").splitlines()) == 1 + 32
     # The file belongs to one model and prompt.

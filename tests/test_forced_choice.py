@@ -8,22 +8,29 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    CHAT_TEMPLATE,
+    CORPUS,
+    DATA,
+    ignore_tree_masks,
+    tiny_llama,
+    write_pairs,
+)
 
-from conftest import CHAT_TEMPLATE, CORPUS, DATA, ignore_tree_masks, tiny_llama, write_pairs
 from tatblimp_callback import load_benchmark
 from tatblimp_callback.cli import main
 from tatblimp_callback.data import Benchmark, Pair
 from tatblimp_callback.forced_choice import (
     DEFAULT_PROMPT,
+    DEFAULT_ROW_LENGTH,
     ForcedChoiceEvaluator,
-    ForcedChoiceScorer,
     build_prompt_cache,
     check_prompt,
     compute_choice_results,
     evaluate_forced_choice,
     items_from_logprobs,
 )
-from tatblimp_callback.scoring import ScorePath, ScoringError
+from tatblimp_callback.scoring import Scorer, ScoringError, ScoringMethod
 from tatblimp_callback.tokenization import TokenizationError
 
 
@@ -46,44 +53,49 @@ def cache(chat_tokenizer, fc_data):
     return build_prompt_cache(chat_tokenizer, fc_data, allow_modified=True)
 
 
+def fc_scorer(model, cache, **options) -> Scorer:
+    """The scoring engine on prompts, with the forced-choice evaluator's row length unless given."""
+    return Scorer(model, cache, **{"row_length": DEFAULT_ROW_LENGTH, **options})
+
+
 @pytest.fixture(scope="module")
 def reference(model, cache):
     """log P(A), log P(B) after each prompt, one prompt at a time, plain forward, float64 softmax."""
     a, b = cache.answer_ids
     rows = []
     with torch.no_grad():
-        for k in range(cache.num_items):
-            logits = model(input_ids=torch.tensor([cache.item(k)])).logits[0, -1].double()
+        for k in range(cache.num_sentences):
+            logits = model(input_ids=torch.tensor([cache.sentence(k)])).logits[0, -1].double()
             rows.append(logits.log_softmax(-1)[[a, b]])
     return torch.stack(rows)
 
 
-def test_prompts_show_each_pair_in_both_orderings(chat_tokenizer, cache):
-    benchmark = cache.benchmark
-    assert cache.num_items == 2 * len(benchmark) == 32
+def test_prompts_show_each_pair_in_both_orderings(chat_tokenizer, cache, fc_data):
+    benchmark = load_benchmark(fc_data, allow_modified=True)
+    assert cache.num_sentences == 2 * len(benchmark) == 32
     assert cache.answer_ids == tuple(chat_tokenizer.convert_tokens_to_ids(["A", "B"]))
     for i in (0, 7, 15):
         pair = benchmark.pairs[i]
-        first, second = (chat_tokenizer.decode(cache.item(k)) for k in (2 * i, 2 * i + 1))
+        first, second = (chat_tokenizer.decode(cache.sentence(k)) for k in (2 * i, 2 * i + 1))
         assert f"A: {pair.good}\nB: {pair.bad}\n" in first  # item 2i: A = good, right answer A
         assert f"A: {pair.bad}\nB: {pair.good}\n" in second  # item 2i+1: A = bad, right answer B
         expected = chat_tokenizer.apply_chat_template(
             [{"role": "user", "content": DEFAULT_PROMPT.format(a=pair.good, b=pair.bad)}], add_generation_prompt=True
         )
-        assert cache.item(2 * i) == list(expected["input_ids"])
+        assert cache.sentence(2 * i) == list(expected["input_ids"])
         assert first.endswith("</s>\n<s>assistant\n")
 
 
 def test_full_benchmark_has_2496_prompts(chat_tokenizer):
     cache = build_prompt_cache(chat_tokenizer, DATA)
-    assert cache.num_items == 2496 and len(cache.benchmark) == 1248 and cache.benchmark.official
+    assert cache.num_sentences == 2496 and cache.num_pairs == 1248 and cache.benchmark_release == load_benchmark(DATA).release
 
 
 def test_custom_prompt_and_system_prompt(chat_tokenizer, fc_data):
     prompt = "Грамматик җөмлә? 1) {a} 2) {b} — {{A}} яки {{B}}"
     cache = build_prompt_cache(chat_tokenizer, fc_data, prompt=prompt, system_prompt="Be brief.", allow_modified=True)
-    pair = cache.benchmark.pairs[0]
-    text = chat_tokenizer.decode(cache.item(1))
+    pair = load_benchmark(fc_data, allow_modified=True).pairs[0]
+    text = chat_tokenizer.decode(cache.sentence(1))
     assert text.startswith("<s>system\nBe brief.</s>\n<s>user\n")
     assert f"1) {pair.bad} 2) {pair.good} — {{A}} яки {{B}}" in text
     for bad in ("only {a}", "{a} {b} {c}", "{a} {b} {"):
@@ -110,22 +122,22 @@ def test_answer_letters_must_be_single_tokens(chat_tokenizer, fc_data):
     "options",
     [
         dict(),
-        dict(path=ScorePath("padded", "chunked")),
-        dict(path=ScorePath("packed", "chunked")),
-        dict(path=ScorePath("tree", "logits")),
-        dict(memory_budget=8 * 2**20, row_length=300, path="tree"),
+        dict(method=ScoringMethod("padded", "tiled")),
+        dict(method=ScoringMethod("packed", "tiled")),
+        dict(method=ScoringMethod("tree", "full_logits")),
+        dict(memory_budget=8 * 2**20, row_length=300, method="tree"),
     ],
     ids=["auto", "padded", "packed", "tree-logits", "many-batches"],
 )
 def test_batched_decision_equals_one_prompt_at_a_time(model, cache, reference, options):
-    scorer = ForcedChoiceScorer(model, cache, **options)
-    logprobs = scorer.logprobs()
+    scorer = fc_scorer(model, cache, **options)
+    logprobs = scorer.score()
     assert logprobs.shape == (32, 2)
     assert (logprobs.double() - reference).abs().max().item() < 1e-4
     if not options:
-        assert str(scorer.path) == "tree rows, chunked head"
+        assert str(scorer.method) == "tree rows, tiled head"
         # The chat template and the question are computed once a row, not once a prompt.
-        assert scorer.layout("tree").shared_share > 0.3
+        assert scorer.layout("tree").saved_by_prefix_sharing > 0.3
     if "memory_budget" in options:
         assert len(scorer.layout("tree").batches) >= 3
     items = items_from_logprobs(logprobs)
@@ -140,10 +152,36 @@ def test_falls_back_to_padded_rows_when_trees_and_packing_are_ignored(model, cac
 
     ignore_tree_masks(monkeypatch)
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    scorer = ForcedChoiceScorer(model, cache)
-    logprobs = scorer.logprobs()
-    assert scorer.path.layout == "padded"
+    scorer = fc_scorer(model, cache)
+    logprobs = scorer.score()
+    assert scorer.method.layout == "padded"
     assert (logprobs.double() - reference).abs().max().item() < 1e-4
+
+
+def test_a_nan_prompt_does_not_spread_through_its_row(chat_tokenizer, cache):
+    # A token that occurs in the prompts of one pair only (both orderings show both sentences) gets a NaN embedding.
+    users: dict[int, set[int]] = {}
+    for k in range(cache.num_sentences):
+        for token in cache.sentence(k):
+            users.setdefault(token, set()).add(k)
+    token = next(t for t in sorted(users) if len(users[t]) == 2)
+    poisoned = sorted(users[token])
+    model = tiny_llama(len(chat_tokenizer), max_position_embeddings=512)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[token] = float("nan")
+    # One prompt a row: what a plain forward gives.
+    reference = fc_scorer(model, cache, method=ScoringMethod("padded", "tiled")).score()
+    assert (~torch.isfinite(reference)).any(1).nonzero().flatten().tolist() == poisoned
+    scorer = fc_scorer(model, cache)
+    logprobs = scorer.score()
+    assert str(scorer.method) == "tree rows, tiled head"  # one row shares the NaN prompt with others
+    shared = next(b for b in scorer.layout().batches if poisoned[0] in b.score_sentences.tolist())
+    assert set(poisoned) < set(shared.score_sentences.tolist())  # its forward computes other prompts too
+    assert (~torch.isfinite(logprobs)).any(1).nonzero().flatten().tolist() == poisoned
+    finite = torch.isfinite(reference)
+    assert (logprobs[finite] - reference[finite]).abs().max().item() < 1e-4
+    items = items_from_logprobs(logprobs)
+    assert [k for k, item in enumerate(items) if item.note == "non_finite"] == poisoned
 
 
 def _benchmark(phenomena: list[str]) -> Benchmark:
@@ -199,13 +237,13 @@ def test_evaluator_restores_mode_and_tokenizes_once(chat_tokenizer, fc_data, mon
     second = evaluator(model)
     # Dropout was off while scoring, so the two evaluations agree exactly.
     assert [i.logprob_a for i in first.items] == [i.logprob_a for i in second.items]
-    assert first.overall.items == 32 and first.extra["answer_token_ids"] == list(chat_tokenizer.convert_tokens_to_ids(["A", "B"]))
+    assert first.overall.items == 32 and first.run_info["answer_token_ids"] == list(chat_tokenizer.convert_tokens_to_ids(["A", "B"]))
 
 
 def test_prompt_longer_than_context_is_an_error(chat_tokenizer, cache):
     short = tiny_llama(len(chat_tokenizer), max_position_embeddings=64)
     with pytest.raises(ScoringError, match=r"forced-choice item \d+ \(pair \d+, (good|bad)_first\) has \d+ prompt tokens"):
-        ForcedChoiceScorer(short, cache)
+        fc_scorer(short, cache)
 
 
 def test_cli_forced_choice_end_to_end(model, chat_tokenizer, fc_data, reference, tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import DATA, SPM_MODEL, tiny_llama
 from tatblimp_callback import Scorer, SentencePieceTokenizer, build_cache
-from tatblimp_callback.scoring import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
+from tatblimp_callback.memory_budget import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
 
 VOCAB = 48000
 
@@ -38,8 +38,8 @@ def full_logits_bytes(cache) -> int:
 
 def test_head_never_sees_more_than_a_tile_and_full_logits_never_exist(model, small_cache, monkeypatch):
     scorer = Scorer(model, small_cache)
-    first = scorer.score()  # the one-time path check runs whole-model forwards; not counted
-    assert str(scorer.path) == "tree rows, chunked head"
+    first = scorer.score()  # the one-time method check runs whole-model forwards; not counted
+    assert str(scorer.method) == "tree rows, tiled head"
     head_weight = model.get_output_embeddings().weight
     tiles: list[tuple[int, int]] = []  # (contexts, vocabulary columns) of each head matmul
     real_linear = F.linear
@@ -115,3 +115,21 @@ def test_real_benchmark_packs_with_little_padding(model, spm_tokenizer):
     # Every forward call stays within the positions the budget allows.
     assert all(b.num_positions <= max(scorer.tokens_per_batch, scorer.row_length) for b in packed.batches)
     assert all(b.input_ids.shape[1] <= scorer.row_length for b in packed.batches)
+
+
+def test_both_protocols_count_the_models_own_logits_in_the_positions_per_forward(model, small_cache):
+    from dataclasses import replace
+
+    from tatblimp_callback import ScoringMethod
+    from tatblimp_callback.memory_budget import activation_bytes_per_position
+
+    budget = 512 * 2**20  # several rows' worth of positions even with full logits
+    prompts = replace(small_cache, answer_ids=(5, 6))  # the same sequences, read as forced-choice prompts
+    activations = activation_bytes_per_position(model.config, torch.float32, 256)
+    for cache in (small_cache, prompts):
+        tiled = Scorer(model, cache, memory_budget=budget, method=ScoringMethod("tree", "tiled"))
+        full = Scorer(model, cache, memory_budget=budget, method=ScoringMethod("tree", "full_logits"))
+        assert tiled.tokens_per_batch == budget // activations
+        # Each position's float32 logits, and their float32 log-softmax: 16 bytes a vocabulary entry.
+        assert full.tokens_per_batch == budget // (activations + VOCAB * 16) > 256
+        assert all(b.num_positions <= full.tokens_per_batch for b in full.layout().batches)

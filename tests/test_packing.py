@@ -52,7 +52,7 @@ def test_tree_rows_share_prefixes_and_predict_every_token_once():
         (3, 0, 2), (3, 1, 4),
     ]  # fmt: skip
     assert (layout.total_positions, layout.padded_positions, layout.sentence_positions) == (8, 2, 11)
-    assert layout.shared_share == 1 - 6 / 11
+    assert layout.saved_by_prefix_sharing == 1 - 6 / 11
 
 
 def test_tree_mask_is_additive_for_eager_attention():
@@ -76,7 +76,7 @@ def test_packed_and_padded_rows_read_one_position_per_token():
         targets = torch.cat([b.score_targets for b in layout.batches])
         assert sorted(targets.tolist()) == sorted(t for s in SENTENCES for t in s[1:])
         assert all(torch.equal(b.score_contexts, torch.arange(b.score_positions.numel())) for b in layout.batches)
-        assert contexts.numel() == layout.sentence_positions == 11 and layout.shared_share == 0
+        assert contexts.numel() == layout.sentence_positions == 11 and layout.saved_by_prefix_sharing == 0
 
 
 def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once():
@@ -91,7 +91,7 @@ def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once()
     model = tiny_llama(16)
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    assert scorer.path.layout == "tree"
+    assert scorer.method.layout == "tree"
     assert scores[0].item() == scores[1].item()
     assert (scores - torch.tensor(reference_logprobs(model, sentences))).abs().max().item() < 1e-5
     results = compute_results(cache, scores)
@@ -101,11 +101,30 @@ def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once()
     assert (batch.score_positions.numel(), batch.score_targets.numel()) == (5, 13)
 
 
-def test_last_only_reads_one_position_per_sequence():
-    # Forced choice: a prompt followed by its answer; only the position before the answer is read.
-    layout = build_layout(SENTENCES, "tree", row_length=8, tokens_per_batch=8, pad_id=BOS, last_only=True)
+def test_answer_readout_reads_each_answer_after_the_last_position():
+    # Forced choice: every token of a prompt is an input; its last position is read once per answer token.
+    answers = (11, 12)
+    layout = build_layout(SENTENCES, "tree", row_length=10, tokens_per_batch=10, pad_id=BOS, answer_ids=answers)
     (batch,) = layout.batches
-    assert batch.input_ids.tolist() == [[1, 2, 3, 5, 6, 7, BOS, BOS]]  # the whole tree is still computed
-    read = dict(zip(batch.score_sentences.tolist(), batch.score_positions[batch.score_contexts].tolist()))
-    assert read == {0: 5, 1: 4, 2: 2, 3: 1}
-    assert batch.score_targets.tolist() == [SENTENCES[s][-1] for s in batch.score_sentences.tolist()]
+    # Sorted: [1 2 4], [1 3 4], [1 5 6 7 8], [1 5 6 9]: ten distinct prefixes, the whole tree is computed.
+    assert batch.input_ids.tolist() == [[1, 2, 4, 3, 4, 5, 6, 7, 8, 9]]
+    assert layout.sentence_positions == 15 and layout.padded_positions == 0
+    read = batch.score_positions[batch.score_contexts].tolist()
+    cells = list(zip(batch.score_sentences.tolist(), batch.score_slots.tolist(), read, batch.score_targets.tolist()))
+    assert sorted(cells) == [
+        (0, 0, 8, 11), (0, 1, 8, 12), (1, 0, 9, 11), (1, 1, 9, 12),
+        (2, 0, 4, 11), (2, 1, 4, 12), (3, 0, 2, 11), (3, 1, 2, 12),
+    ]  # fmt: skip
+    assert batch.score_positions.numel() == 4  # one position read per prompt
+
+
+def test_every_scored_token_has_its_own_cell():
+    # Sentence readout: slot k holds the log-prob of token k + 1, so a sentence's cells are its tokens in order.
+    for kind in ("tree", "packed", "padded"):
+        layout = build_layout(SENTENCES, kind, row_length=8, tokens_per_batch=64, pad_id=BOS)
+        cells = [
+            (s, slot, target)
+            for b in layout.batches
+            for s, slot, target in zip(b.score_sentences.tolist(), b.score_slots.tolist(), b.score_targets.tolist())
+        ]
+        assert sorted(cells) == sorted((s, k, ids[k + 1]) for s, ids in enumerate(SENTENCES) for k in range(len(ids) - 1))

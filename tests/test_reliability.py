@@ -19,12 +19,19 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from conftest import REPO, tiny_llama, write_pairs
+from trainer_utils import make_trainer, tatblimp_entries
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerControl, TrainerState
 
-from conftest import REPO, tiny_llama, write_pairs
-from tatblimp_callback import Scorer, ScorePath, TatBLiMPCallback, build_cache, evaluate
-from tatblimp_callback import scoring
-from trainer_utils import make_trainer, tatblimp_entries
+from tatblimp_callback import (
+    Scorer,
+    ScoringMethod,
+    TatBLiMPCallback,
+    build_cache,
+    evaluate,
+    memory_budget,
+    scoring_method,
+)
 
 PAIRS = 48  # small_data: three pairs of each of the 16 phenomena
 
@@ -105,37 +112,38 @@ def poisoned(tokenizer, cache, count: int = 3):
 
 def test_a_nan_sentence_does_not_spread_through_its_row(bpe_tokenizer, cache):
     model, sentences = poisoned(bpe_tokenizer, cache)
-    # One sentence a row: what a plain forward gives (test_scoring checks the padded path against one).
-    reference = Scorer(model, cache, path=ScorePath("padded", "chunked")).score()
+    # One sentence a row: what a plain forward gives (test_scoring checks padded rows against one).
+    reference = Scorer(model, cache, method=ScoringMethod("padded", "tiled")).score()
     assert (~torch.isfinite(reference)).nonzero().flatten().tolist() == sentences
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    # The fast path still agrees with a plain forward: no silent fallback to padded rows.
-    assert str(scorer.path) == "tree rows, chunked head"
+    # The fast method still agrees with a plain forward: no silent fallback to padded rows.
+    assert str(scorer.method) == "tree rows, tiled head"
     assert (~torch.isfinite(scores)).nonzero().flatten().tolist() == sentences
     finite = torch.isfinite(reference)
     assert (scores[finite] - reference[finite]).abs().max().item() < 1e-4
 
 
-def test_the_path_check_compares_which_sentences_are_non_finite():
+def test_the_method_check_compares_which_sentences_are_non_finite():
     nan = float("nan")
     reference = torch.tensor([-5.0, nan, -7.0], dtype=torch.float64)
-    assert scoring._agree(reference.clone(), reference, [4, 4, 4], torch.float32)
-    assert not scoring._agree(torch.tensor([-5.0, -6.0, -7.0], dtype=torch.float64), reference, [4, 4, 4], torch.float32)
-    assert not scoring._agree(torch.tensor([nan, nan, -7.0], dtype=torch.float64), reference, [4, 4, 4], torch.float32)
+    tokens, rtol = torch.full((3,), 4.0, dtype=torch.float64), scoring_method.relative_tolerance(torch.float32, torch.device("cpu"))
+    assert scoring_method.agree(reference.clone(), reference, tokens, rtol)
+    assert not scoring_method.agree(torch.tensor([-5.0, -6.0, -7.0], dtype=torch.float64), reference, tokens, rtol)
+    assert not scoring_method.agree(torch.tensor([nan, nan, -7.0], dtype=torch.float64), reference, tokens, rtol)
 
 
-def test_a_diverged_model_is_scored_and_the_path_checked_once_it_recovers(bpe_tokenizer, cache, monkeypatch, caplog):
+def test_a_diverged_model_is_scored_and_the_method_checked_once_it_recovers(bpe_tokenizer, cache, monkeypatch, caplog):
     model = tiny_llama(len(bpe_tokenizer))
     weights = {name: value.clone() for name, value in model.state_dict().items()}
     with torch.no_grad():
         model.lm_head.weight.fill_(float("inf"))  # every log-softmax is NaN
     checks = []
-    original = Scorer._choose_path
-    monkeypatch.setattr(Scorer, "_choose_path", lambda self: checks.append(1) or original(self))
+    original = Scorer._choose_method
+    monkeypatch.setattr(Scorer, "_choose_method", lambda self, *args: checks.append(1) or original(self, *args))
     scorer = Scorer(model, cache)
     assert not torch.isfinite(scorer.score()).any()
-    assert "scoring path unchecked" in caplog.text
+    assert "scoring method unchecked" in caplog.text
     model.load_state_dict(weights)
     recovered = scorer.score()
     scorer.score()
@@ -198,13 +206,13 @@ class OutOfMemoryAbove:
 
 
 def test_out_of_memory_halves_the_budget_after_freeing_the_failed_attempt(model, cache, monkeypatch):
-    expected = Scorer(model, cache, path="packed").score()
-    monkeypatch.setattr(scoring, "MIN_MEMORY_BUDGET", 2**20)
+    expected = Scorer(model, cache, method="packed").score()
+    monkeypatch.setattr(memory_budget, "MIN_MEMORY_BUDGET", 2**20)
     oom = OutOfMemoryAbove(monkeypatch, limit=1024)
     alive_when_emptying = []
-    monkeypatch.setattr(scoring, "_empty_device_cache", lambda device: alive_when_emptying.append(oom.alive()))
+    monkeypatch.setattr(memory_budget, "empty_device_cache", lambda device: alive_when_emptying.append(oom.alive()))
     start = 16 * 2**20
-    scorer = Scorer(model, cache, memory_budget=start, path="packed")
+    scorer = Scorer(model, cache, memory_budget=start, method="packed")
     scores = scorer.score()
     assert scorer.oom_retries == oom.failed >= 1 and scorer.memory_budget == start >> scorer.oom_retries
     # Each failed attempt's tensors and layout were gone before the device cache was emptied.
@@ -213,12 +221,12 @@ def test_out_of_memory_halves_the_budget_after_freeing_the_failed_attempt(model,
     assert max(b.num_positions for b in scorer.layout().batches) <= 1024
     assert (scores - expected).abs().max().item() < 1e-5
     # The results say so.
-    assert evaluate(model, cache=cache, memory_budget=start, path="packed").extra["oom_retries"] == scorer.oom_retries
+    assert evaluate(model, cache=cache, memory_budget=start, method="packed").run_info["oom_retries"] == scorer.oom_retries
 
 
 def test_out_of_memory_at_the_floor_is_a_callback_failure_and_training_goes_on(bpe_tokenizer, small_data, tmp_path, monkeypatch, caplog):
-    oom = OutOfMemoryAbove(monkeypatch, limit=0)  # nothing fits, not even the path check
-    floor = scoring.MIN_MEMORY_BUDGET
+    oom = OutOfMemoryAbove(monkeypatch, limit=0)  # nothing fits, not even the method check
+    floor = memory_budget.MIN_MEMORY_BUDGET
     cb = callback(small_data, eval_steps=2, memory_budget=4 * floor)
     trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=2)
     trainer.train()
@@ -368,7 +376,7 @@ def live_tensors() -> int:
 def test_hundreds_of_evaluations_leave_memory_flat(bpe_tokenizer, one_each):
     model = tiny_llama(len(bpe_tokenizer), hidden=16, layers=1)
     cb = callback(one_each, eval_steps=1)
-    state = events(cb, model, bpe_tokenizer, steps=40)  # warm-up: lazy imports, allocator pools, the path check
+    state = events(cb, model, bpe_tokenizer, steps=40)  # warm-up: lazy imports, allocator pools, the method check
     args, control = SimpleNamespace(report_to=[]), TrainerControl()
     process = psutil.Process()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DATA, ignore_tree_masks, reference_logprobs, tiny_llama
-from tatblimp_callback import Evaluator, Scorer, ScorePath, ScoringError, build_cache, evaluate, load_benchmark
+from tatblimp_callback import Evaluator, Scorer, ScoringMethod, ScoringError, build_cache, evaluate, load_benchmark
 from tatblimp_callback.data import Benchmark
 
 
@@ -29,7 +29,7 @@ def test_full_benchmark_matches_one_at_a_time(model, cache, reference):
     scorer = Scorer(model, cache)
     scores = scorer.score()
     assert scores.shape == (2496,)
-    assert str(scorer.path) == "tree rows, chunked head"
+    assert str(scorer.method) == "tree rows, tiled head"
     assert (scores - reference).abs().max().item() < 1e-4
     # The prefix token is not scored; every other token is, once.
     batches = scorer.layout().batches
@@ -44,17 +44,17 @@ def test_full_benchmark_matches_one_at_a_time(model, cache, reference):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(path=ScorePath("padded", "chunked")),
-        dict(path=ScorePath("packed", "chunked")),
-        dict(path=ScorePath("tree", "logits")),
-        dict(path=ScorePath("packed", "logits")),
-        dict(path=ScorePath("padded", "logits")),
+        dict(method=ScoringMethod("padded", "tiled")),
+        dict(method=ScoringMethod("packed", "tiled")),
+        dict(method=ScoringMethod("tree", "full_logits")),
+        dict(method=ScoringMethod("packed", "full_logits")),
+        dict(method=ScoringMethod("padded", "full_logits")),
         dict(memory_budget=20 * 2**20, row_length=96),
         dict(memory_budget=200 * 2**20, row_length=1024),
     ],
     ids=["padded", "packed", "tree-logits", "packed-logits", "padded-logits", "small-batches", "large-batches"],
 )
-def test_every_path_and_batching_gives_the_same_decisions(model, cache, reference, options):
+def test_every_method_and_batching_gives_the_same_decisions(model, cache, reference, options):
     scores = Scorer(model, cache, **options).score()
     assert (scores - reference).abs().max().item() < 1e-4
     assert (scores[0::2] > scores[1::2]).tolist() == (reference[0::2] > reference[1::2]).tolist()
@@ -73,7 +73,7 @@ def test_eager_attention_takes_an_additive_tree_mask(bpe_tokenizer, cache, refer
     model = tiny_llama(len(bpe_tokenizer), attn_implementation="eager")
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    assert str(scorer.path) == "tree rows, chunked head"
+    assert str(scorer.method) == "tree rows, tiled head"
     assert scorer.layout().batches[0].attention_mask.dtype == torch.float32
     assert (scores - reference).abs().max().item() < 1e-4
 
@@ -84,14 +84,14 @@ def test_falls_back_to_packed_then_padded_rows_where_the_model_ignores_them(mode
     ignore_tree_masks(monkeypatch)  # trees are wrong
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    assert scorer.path.layout == "packed"
+    assert scorer.method.layout == "packed"
     assert (scores - reference).abs().max().item() < 1e-4
 
     # Nor does it support packed sequences: position ids do not split the rows.
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    assert scorer.path.layout == "padded"
+    assert scorer.method.layout == "padded"
     assert (scores - reference).abs().max().item() < 1e-4
 
 
@@ -130,7 +130,7 @@ def test_evaluator_tokenizes_once(model, bpe_tokenizer, small_data, monkeypatch)
 
     monkeypatch.setattr(cache_module, "encode_sentences", lambda *a, **k: pytest.fail("tokenized again"))
     second = evaluator(model)
-    assert first.acc == second.acc and first.extra["path"] == second.extra["path"]
+    assert first.acc == second.acc and first.run_info["scoring_method"] == second.run_info["scoring_method"]
 
 
 def test_vocabulary_mismatch_is_an_error_before_any_forward(bpe_tokenizer, cache):
@@ -181,5 +181,5 @@ def test_soft_capped_logits_and_a_head_with_bias(bpe_tokenizer, cache, family):
     reference = torch.tensor(reference_logprobs(model, [cache.sentence(s) for s in sample]))
     scorer = Scorer(model, cache)
     scores = scorer.score()
-    assert str(scorer.path) == "tree rows, chunked head"
+    assert str(scorer.method) == "tree rows, tiled head"
     assert (scores[sample] - reference).abs().max().item() < 1e-4

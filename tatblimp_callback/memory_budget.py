@@ -1,0 +1,91 @@
+"""How much memory one evaluation may use, how many positions a forward call may hold, and the retry on out-of-memory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from . import distributed
+
+logger = logging.getLogger(__name__)
+
+CPU_MEMORY_BUDGET = 512 * 2**20
+MIN_MEMORY_BUDGET = 16 * 2**20
+# The default budget is at most this fraction of the workload's full float32 logits: a tenth, so
+# that the real peak, estimates' error included, stays within an eighth of them.
+FULL_LOGITS_DIVISOR = 10
+
+T = TypeVar("T")
+
+
+def default_memory_budget(device: torch.device, full_logits_bytes: int | None = None) -> int:
+    """Bytes one evaluation may use: a quarter of free GPU memory, else ``CPU_MEMORY_BUDGET``.
+
+    Scoring runs beside training, so it never asks for more than a tenth of what the full float32
+    logits of the workload (``full_logits_bytes``) would take, nor less than ``MIN_MEMORY_BUDGET``.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free // 4
+    else:
+        budget = CPU_MEMORY_BUDGET
+    if full_logits_bytes:
+        budget = min(budget, full_logits_bytes // FULL_LOGITS_DIVISOR)
+    return max(MIN_MEMORY_BUDGET, budget)
+
+
+def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -> int:
+    """Estimated live bytes per position in a forward call: one layer's activations plus a row's attention scores."""
+    hidden = getattr(config, "hidden_size", 1024)
+    intermediate = getattr(config, "intermediate_size", 4 * hidden)
+    heads = getattr(config, "num_attention_heads", 16)
+    element = torch.finfo(dtype).bits // 8
+    # A row's attention scores, and its mask (4 bytes at most per key).
+    return element * (6 * hidden + 3 * intermediate) + 4 * (heads + 1) * row_length
+
+
+def positions_per_forward(
+    memory_budget: int, config, dtype: torch.dtype, row_length: int, full_logits_vocab: int | None
+) -> int:
+    """Positions one forward call may hold within ``memory_budget``, at least one row.
+
+    ``full_logits_vocab``: where the model's own forward gives the logits (not the tiled head),
+    their vocabulary size: every position then also holds its logits, and the scored ones a
+    float32 log-softmax.
+    """
+    per_position = activation_bytes_per_position(config, dtype, row_length)
+    if full_logits_vocab:
+        per_position += full_logits_vocab * (2 * (torch.finfo(dtype).bits // 8) + 8)
+    return max(row_length, memory_budget // per_position)
+
+
+def retry_out_of_memory(scorer, attempt: Callable[[], T]) -> T:
+    """``attempt()``, its memory budget halved and retried on out-of-memory down to ``MIN_MEMORY_BUDGET``.
+
+    ``scorer`` holds ``memory_budget``, ``oom_retries``, ``cache`` (for its device) and the
+    ``_layouts`` built for the old budget. Every process must build the same layout, so all use
+    the smallest budget, and all retry together (``distributed.retry_together``).
+    """
+    scorer.memory_budget = distributed.min_over_processes(scorer.memory_budget)
+    while True:
+        try:
+            return attempt()
+        except torch.OutOfMemoryError as error:
+            distributed.retry_together(error)
+            if scorer.memory_budget // 2 < MIN_MEMORY_BUDGET:
+                raise
+        # Past the except block, the failed attempt's traceback and the tensors its frames
+        # held are gone, so emptying the device cache below really frees them.
+        scorer.memory_budget //= 2
+        scorer.oom_retries += 1
+        scorer._layouts.clear()
+        empty_device_cache(scorer.cache.device)
+        logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", scorer.memory_budget >> 20)
+
+
+def empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,121 @@
+"""What is checked about a model before and while it is scored.
+
+Before any forward pass: weights that exist (not on the meta device), an embedding that covers
+every token id, sequences that fit the model's context. For the choice of the scoring method: which
+4D mask its attention takes, whether its forward reads ``position_ids`` at all (prefix-tree and
+packed rows depend on them), and a cheap fingerprint of its weights that says when they have
+moved enough to check the method again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .cache import SentenceCache
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_VALUES = 64  # sampled values per parameter tensor
+
+
+class ScoringError(RuntimeError):
+    """The model cannot be scored with this cache (meta weights, vocabulary mismatch, too-long sentence, ...)."""
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM inside DDP, FSDP1, DeepSpeed, ``torch.compile`` and PEFT wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ in (
+            "FullyShardedDataParallel",
+            "DeepSpeedEngine",
+        ):
+            model = model.module
+        elif hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> None:
+    """A clear error before any forward pass for meta-device weights or a tokenizer the model cannot embed."""
+    if any(p.is_meta for p in lm.parameters()):
+        raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
+    largest_token_id = max([int(cache.token_ids.max()), *cache.answer_ids])
+    embedding = lm.get_input_embeddings()
+    # A sharded weight's local shape is a shard's (ZeRO-3, FSDP1); num_embeddings is the real count.
+    embeddings = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
+    if largest_token_id >= embeddings:
+        raise ScoringError(
+            f"tokenizer {cache.tokenizer_name} produces token id {largest_token_id}, but the model's embedding "
+            f"has only {embeddings} rows: the tokenizer does not belong to this model"
+        )
+
+
+def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) -> SentenceCache:
+    """``cache`` itself if every sequence fits the model's context; cut to it with ``truncate``; else ScoringError.
+
+    Forced-choice prompts are never cut: the question would be lost.
+    """
+    context = getattr(lm.config, "max_position_embeddings", None)
+    longest = max(cache.lengths)
+    if context is None or longest <= context:
+        return cache
+    k = cache.lengths.index(longest)
+    if cache.answer_ids:
+        raise ScoringError(
+            f"forced-choice item {k} (pair {k // 2}, {'good' if k % 2 == 0 else 'bad'}_first) has {longest} prompt "
+            f"tokens, more than the model's context of {context}; a prompt cannot be cut without losing the question"
+        )
+    if not truncate:
+        raise ScoringError(
+            f"pair {k // 2} ({'good' if k % 2 == 0 else 'bad'} sentence) has {longest} tokens, "
+            f"more than the model's context of {context}; pass truncate=True to cut such sentences"
+        )
+    cut = cache.cut_to(context)
+    logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(cut.truncated), context)
+    return cut
+
+
+def tree_mask_dtype(lm: torch.nn.Module) -> torch.dtype | None:
+    """The 4D mask the model's attention takes: boolean for sdpa, additive for eager; None for others."""
+    implementation = getattr(lm.config, "_attn_implementation", None)
+    return {"sdpa": torch.bool, "eager": next(lm.parameters()).dtype}.get(implementation)
+
+
+def forward_reads_position_ids(run: Callable[[torch.Tensor], torch.Tensor], position_ids: torch.Tensor, context: int | None) -> bool:
+    """Whether ``run(position_ids)`` (a forward of one batch) changes when the position ids are doubled.
+
+    Doubling changes every distance between positions, so a forward that reads the ids gives other
+    outputs; one that drops them (and builds its own positions 0, 1, 2, ... along the row) gives
+    bit-identical ones, whatever its weights. Ids that doubled would pass the context keep their value.
+    """
+    doubled = position_ids * 2
+    if context is not None:
+        doubled = torch.where(doubled < context, doubled, position_ids)
+    return not torch.equal(run(position_ids), run(doubled))
+
+
+def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
+    """Up to ``FINGERPRINT_VALUES`` evenly spaced values of every floating-point weight tensor, float64 on the CPU.
+
+    Of a sharded weight (FSDP2, tensor parallel) this process's shard; processes combine their verdicts.
+    """
+    parts = []
+    for parameter in lm.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        flat = local.detach().reshape(-1)
+        if flat.numel() and flat.is_floating_point():
+            parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double())
+    return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:
+    """||now - then|| / ||then||, the relative distance between two weight fingerprints (inf if their shapes differ)."""
+    if now.shape != then.shape:
+        return float("inf")
+    return float((now - then).norm() / then.norm().clamp_min(torch.finfo(torch.float64).tiny))

@@ -1,0 +1,125 @@
+"""How a model's scores are computed (the row layout and the LM head), how the fastest correct one
+is found, and when it is checked again.
+
+The method is chosen by scoring a sample of sequences with each candidate, fastest first, and
+comparing with a plain one-sequence-at-a-time forward of the whole model (``matches``). It is
+checked again at the first evaluation after the weights have moved appreciably (their fingerprint
+by more than ``MOVED``, relative) and then every ``RECHECK_EVERY`` evaluations, because a model that
+misreads positions or masks can look right while its weights are still near their initialisation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .model_checks import relative_change, tree_mask_dtype
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("tree", "packed", "padded")
+HEADS = ("tiled", "full_logits")
+RECHECK_EVERY = 10
+MOVED = 0.01
+# Allowed |fast - reference| per compared value: RELATIVE_TOLERANCE[dtype] x (|reference| +
+# LOGIT_SCALE x its scored tokens). The first term is rounding relative to the log-prob itself; the
+# second stands for the logits that rounding acts on, which a confident (near-zero) log-prob hides.
+# Measured (2-layer Llama, 2026-11-30): padded rows and the reference differ by at most 3% of this
+# allowance in float32 and bf16; a forward that drops position ids, once trained, by 4.5x (bf16)
+# to over 100x (float32) of it.
+RELATIVE_TOLERANCE = {torch.float64: 2e-6, torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+TF32_TOLERANCE = 2.0**-10  # float32 matmuls on a GPU that allows TF32 keep 10 mantissa bits, as float16 does
+LOGIT_SCALE = 8.0
+
+
+@dataclass(frozen=True)
+class ScoringMethod:
+    """How scores are computed: ``layout`` "tree", "packed" or "padded" rows (see ``packing``), and
+    ``head`` "tiled" (hidden states x LM head, tile by tile: ``tiled_head``) or "full_logits" (the
+    model's own forward and logits)."""
+
+    layout: str
+    head: str
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS or self.head not in HEADS:
+            raise ValueError(f"unknown scoring method {self.layout!r}, {self.head!r}: layouts {LAYOUTS}, heads {HEADS}")
+
+    def __str__(self) -> str:
+        return f"{self.layout} rows, {'tiled head' if self.head == 'tiled' else 'full logits'}"
+
+
+def layouts_to_try(lm: torch.nn.Module) -> list[str]:
+    """Row layouts, fastest first; prefix trees need an attention that takes a 4D mask."""
+    return list(LAYOUTS) if tree_mask_dtype(lm) else ["packed", "padded"]
+
+
+def first_matching_method(
+    lm: torch.nn.Module, heads: list[str], matches: Callable[[ScoringMethod], bool], consensus: Callable[[bool], bool] = bool
+) -> ScoringMethod | None:
+    """The fastest method for which ``matches(method)`` holds (layouts fastest first, then ``heads``), or None.
+
+    A method that raises (an attention that rejects a 4D mask, say) does not match, unless it is
+    the last resort, padded rows, whose error is the model's own.
+    """
+    for layout in layouts_to_try(lm):
+        for head in heads:
+            method = ScoringMethod(layout, head)
+            try:
+                matched = matches(method)
+            except (RuntimeError, ValueError, TypeError, IndexError) as error:
+                if isinstance(error, torch.OutOfMemoryError) or layout == "padded":
+                    raise
+                logger.warning("tatblimp: %s failed for this model (%s)", method, error)
+                matched = False
+            if consensus(matched):
+                logger.info("tatblimp: scoring with %s", method)
+                return method
+            logger.warning("tatblimp: %s disagrees with a plain forward for this model", method)
+    return None
+
+
+def relative_tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """The rounding allowance, relative, of a model computing in ``dtype`` on ``device``."""
+    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return TF32_TOLERANCE
+    return RELATIVE_TOLERANCE.get(dtype, RELATIVE_TOLERANCE[torch.float16])
+
+
+def agree(values: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, rtol: float) -> bool:
+    """Whether ``values`` equal ``reference`` within ``rtol`` x (|reference| + ``LOGIT_SCALE`` x ``tokens``),
+    and are non-finite in the same places.
+
+    ``tokens``: how many token log-probs each value sums (broadcast against ``values``).
+    """
+    finite = torch.isfinite(reference)
+    if not torch.equal(torch.isfinite(values), finite):
+        return False
+    allowed = rtol * (reference.abs() + LOGIT_SCALE * tokens)
+    return bool(((values - reference).abs() <= allowed)[finite].all())
+
+
+class RecheckSchedule:
+    """When to compare the chosen method with a plain forward again: at the first evaluation whose weights
+    moved by more than ``MOVED`` (relative) from those it was checked on, then every ``RECHECK_EVERY`` evaluations."""
+
+    def __init__(self):
+        self.fingerprint: torch.Tensor | None = None
+        self.since_check = 0
+        self.waiting_for_change = True
+
+    def checked(self, fingerprint: torch.Tensor) -> None:
+        self.fingerprint, self.since_check = fingerprint, 0
+
+    def due(self, fingerprint: torch.Tensor) -> bool:
+        """Whether this evaluation (one call per evaluation) should check the method again."""
+        self.since_check += 1
+        if self.since_check >= RECHECK_EVERY:
+            return True
+        if self.waiting_for_change and relative_change(fingerprint, self.fingerprint) > MOVED:
+            self.waiting_for_change = False
+            return True
+        return False

@@ -1,0 +1,75 @@
+"""Log-probabilities through the LM head tile by tile, so that the [contexts x vocabulary] logits never exist at once.
+
+Each tile of (contexts x vocabulary columns) gives its float32 logits' log-sum-exp over that part of
+the vocabulary; the parts are merged into each context's log-normaliser, and each wanted target's
+logit is one dot product, rounded as the head's matmul rounds its output. log p(target | context)
+is their difference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# On a CPU a head tile of 2048 positions x 2048 vocabulary columns (16 MiB of float32 logits)
+# stays in the last-level cache while the log-sum-exp runs over it: 33,512 positions x 48K
+# vocabulary took 6.8 s this way against 11.0 s as whole-vocabulary chunks of 1024 positions with
+# cross-entropy (2 cores). On a GPU a tile spans the whole vocabulary.
+CPU_HEAD_TILE = (2048, 2048)
+
+
+def head_tile(device: torch.device, vocab: int, dtype: torch.dtype, memory_budget: int) -> tuple[int, int]:
+    """(contexts, vocabulary columns) per tile of the LM head, so that its logits and their float32 work fit the budget."""
+    element = torch.finfo(dtype).bits // 8
+    # F.linear's logits, a float32 copy unless they are float32 already, logsumexp's temporary.
+    per_logit = element + (4 if element != 4 else 0) + 4
+    if device.type == "cpu":
+        rows, columns = CPU_HEAD_TILE
+        columns = min(columns, vocab)
+        return max(1, min(rows, memory_budget // (columns * per_logit))), columns
+    return max(1, memory_budget // (vocab * per_logit)), vocab
+
+
+def head_logprobs(
+    lm: torch.nn.Module, hidden: torch.Tensor, contexts: torch.Tensor, targets: torch.Tensor, tile: tuple[int, int]
+) -> torch.Tensor:
+    """log p(target | context) = target logit - log-sum-exp of the context's logits, in float32.
+
+    ``hidden``: [k, hidden size] states of the contexts; ``contexts``/``targets``: [t] an index into
+    them and a token id for each log-prob wanted; ``tile``: ``head_tile``'s (contexts, columns).
+    """
+    head = lm.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    rows, columns = tile
+    log_normalizers = torch.cat(
+        [_log_sum_exp(hidden[start : start + rows], weight, bias, cap, columns) for start in range(0, hidden.shape[0], rows)]
+    )
+    target_logits = torch.cat(
+        [
+            _target_logits(hidden[contexts[start : start + rows]], weight, bias, cap, targets[start : start + rows])
+            for start in range(0, targets.shape[0], rows)
+        ]
+    )
+    return target_logits - log_normalizers[contexts]
+
+
+def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:
+    """log sum_v exp(logit_v) per row of ``hidden``, in float32, ``columns`` vocabulary entries at a time."""
+    parts = []
+    for start in range(0, weight.shape[0], columns):
+        part = slice(start, start + columns)
+        logits = F.linear(hidden, weight[part], None if bias is None else bias[part]).float()
+        if cap:  # in place: ``logits`` is a fresh tensor
+            logits.div_(cap).tanh_().mul_(cap)
+        parts.append(torch.logsumexp(logits, -1))
+    return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts, -1), -1)
+
+
+def _target_logits(hidden, weight, bias, cap, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's logit of its target token, rounded as the head's matmul rounds its output."""
+    logits = (hidden.float() * weight[targets].float()).sum(-1)
+    if bias is not None:
+        logits += bias[targets].float()
+    logits = logits.to(weight.dtype).float()
+    return logits.div_(cap).tanh_().mul_(cap) if cap else logits
