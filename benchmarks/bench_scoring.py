@@ -216,7 +216,9 @@ class LmEvalRunner:
 def lm_eval_padding_share(token_requests: list[list[int]], batch_size: int) -> float:
     """lm-eval's batches: inputs (all but the last token) sorted longest first, right-padded per batch."""
     lengths = sorted((len(ids) - 1 for ids in token_requests), reverse=True)
-    padded = sum(len(batch) * batch[0] - sum(batch) for batch in (lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)))
+    padded = sum(
+        len(batch) * batch[0] - sum(batch) for batch in (lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size))
+    )
     total = sum(len(batch) * batch[0] for batch in (lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)))
     return padded / total
 
@@ -264,7 +266,9 @@ def softmax_seconds_per_row(vocab: int, device: torch.device, repeats: int) -> f
         logits = torch.randn(rows, vocab, device=device)
         targets = torch.randint(0, vocab, (rows,), device=device)
         F.cross_entropy(logits, targets, reduction="none")
-        _, seconds, _ = timed(lambda: F.cross_entropy(logits, targets, reduction="none"), device, repeats)
+        _, seconds, _ = timed(
+            lambda logits=logits, targets=targets: F.cross_entropy(logits, targets, reduction="none"), device, repeats
+        )
         best = min(best, seconds / rows)
     return best
 
@@ -275,8 +279,9 @@ def body_seconds(model, layout, device: torch.device, repeats: int) -> float:
 
     def run():
         for batch in layout.batches:
-            model.model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
-                        use_cache=False)
+            model.model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask, use_cache=False
+            )
 
     return timed(run, device, repeats)[1]
 
@@ -287,8 +292,12 @@ def body_seconds(model, layout, device: torch.device, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl", help="TatBLiMP test.jsonl")
-    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model",
-                        help="SentencePiece .model, loaded as transformers converts it")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=SHARED / "tokenizers" / "kypchak_unigram_48k.model",
+        help="SentencePiece .model, loaded as transformers converts it",
+    )
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on a CPU, bfloat16 on a GPU")
@@ -335,8 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
         vocab=vocab,
         full_logits_bytes=tokens * vocab * 4,
     )
-    log(f"{args.model_shape}: {report['parameters'] / 1e6:.1f}M parameters, {report['dtype']}, {device}; "
-        f"{cache.num_sentences} sentences, {tokens} tokens ({scored} scored), vocabulary {vocab}")
+    log(
+        f"{args.model_shape}: {report['parameters'] / 1e6:.1f}M parameters, {report['dtype']}, {device}; "
+        f"{cache.num_sentences} sentences, {tokens} tokens ({scored} scored), vocabulary {vocab}"
+    )
 
     # (c) ours: the method check, then timed calls.
     scorer = Scorer(model, cache)
@@ -344,7 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
     layout = scorer.layout()
     ours_seconds = report["ours"]["seconds"]
     report["ours"]["tokens_per_s"] = tokens / ours_seconds
-    log(f"ours: {ours_seconds:.3f} s (first call with the method check {report['ours']['first_call_seconds']:.2f} s), {scorer.method}")
+    log(
+        f"ours: {ours_seconds:.3f} s (first call with the method check {report['ours']['first_call_seconds']:.2f} s), {scorer.method}"
+    )
 
     # The floors, measured in the same run.
     gflops = matmul_gflops(device, dtype, max(args.repeats, 10))  # the best of many: a peak, not a typical figure
@@ -354,8 +367,14 @@ def main(argv: list[str] | None = None) -> dict:
         body = body_seconds(model, rows_layout, device, args.repeats)
         head = 2 * positions * config.hidden_size * vocab / (gflops * 1e9)
         softmax = softmax_per_row * positions
-        return {"positions": positions, "body_seconds": body, "head_matmul_seconds": head, "softmax_seconds": softmax,
-                "seconds": body + head + softmax, "ours_over_floor": ours_seconds / (body + head + softmax)}
+        return {
+            "positions": positions,
+            "body_seconds": body,
+            "head_matmul_seconds": head,
+            "softmax_seconds": softmax,
+            "seconds": body + head + softmax,
+            "ours_over_floor": ours_seconds / (body + head + softmax),
+        }
 
     flops = forward_flops(config, [n - 1 for n in cache.lengths])
     report["floor"] = {
@@ -369,8 +388,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("every_token", "distinct_contexts"):
         if name in report["floor"]:
             f = report["floor"][name]
-            log(f"floor ({name}, {f['positions']} positions): {f['seconds']:.3f} s = body {f['body_seconds']:.3f} + head matmul "
-                f"{f['head_matmul_seconds']:.3f} ({gflops:.0f} GFLOP/s) + softmax {f['softmax_seconds']:.3f}; ours / floor = {f['ours_over_floor']:.2f}")
+            log(
+                f"floor ({name}, {f['positions']} positions): {f['seconds']:.3f} s = body {f['body_seconds']:.3f} + head matmul "
+                f"{f['head_matmul_seconds']:.3f} ({gflops:.0f} GFLOP/s) + softmax {f['softmax_seconds']:.3f}; ours / floor = {f['ours_over_floor']:.2f}"
+            )
 
     # (a) naive.
     if not args.skip_naive:
@@ -395,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
     # (b) lm-eval.
     if not args.skip_lm_eval:
         runner = LmEvalRunner(model, tokenizer, args.batch_size)
-        lm_scores, lm_total, lm_times = timed(lambda: runner(texts), device, args.lm_eval_repeats)
+        lm_scores, lm_total, _lm_times = timed(lambda: runner(texts), device, args.lm_eval_repeats)
         lm_compute = runner.scoring_seconds
         # lm-eval hands the requests to _loglikelihood_tokens in our order (it reorders inside).
         same_ids = sum(theirs == mine for theirs, mine in zip(runner.token_requests, sentences))
@@ -416,8 +437,10 @@ def main(argv: list[str] | None = None) -> dict:
             "ours_speedup": lm_total / ours_seconds,
             "ours_speedup_vs_scoring_only": lm_compute / ours_seconds,
         }
-        log(f"lm-eval: {lm_total:.3f} s ({lm_compute:.3f} s after tokenizing); ours is {lm_total / ours_seconds:.2f}x faster "
-            f"({lm_compute / ours_seconds:.2f}x against its scoring alone); max |diff| {diff.max():.2e} nats")
+        log(
+            f"lm-eval: {lm_total:.3f} s ({lm_compute:.3f} s after tokenizing); ours is {lm_total / ours_seconds:.2f}x faster "
+            f"({lm_compute / ours_seconds:.2f}x against its scoring alone); max |diff| {diff.max():.2e} nats"
+        )
 
     print_table(report)
     if args.json:
@@ -428,23 +451,40 @@ def main(argv: list[str] | None = None) -> dict:
 def print_table(report: dict) -> None:
     mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
     rows = [("scorer", "seconds", "tokens/s", "padding", "peak extra memory", "ours is faster by")]
-    for name, key in (("naive loop", "naive"), ("lm-eval HFLM (bs %s)" % report.get("lm_eval", {}).get("batch_size", ""), "lm_eval"), ("tatblimp Scorer", "ours")):
+    for name, key in (
+        ("naive loop", "naive"),
+        ("lm-eval HFLM (bs {})".format(report.get("lm_eval", {}).get("batch_size", "")), "lm_eval"),
+        ("tatblimp Scorer", "ours"),
+    ):
         if key in report:
             r = report[key]
             speedup = f"{r['ours_speedup']:.2f}x" if "ours_speedup" in r else ""
-            rows.append((name, f"{r['seconds']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{100 * r['padding_share']:.1f}%", mib(r["peak_extra_bytes"]), speedup))
+            rows.append(
+                (
+                    name,
+                    f"{r['seconds']:.3f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{100 * r['padding_share']:.1f}%",
+                    mib(r["peak_extra_bytes"]),
+                    speedup,
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print()
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     floor, ours = report["floor"], report["ours"]
-    print(f"\n{ours['scoring_method']}: {ours['distinct_contexts']} distinct contexts computed for {report['scored_tokens']} scored tokens "
-          f"({100 * ours['saved_by_prefix_sharing']:.1f}% of the positions shared)")
+    print(
+        f"\n{ours['scoring_method']}: {ours['distinct_contexts']} distinct contexts computed for {report['scored_tokens']} scored tokens "
+        f"({100 * ours['saved_by_prefix_sharing']:.1f}% of the positions shared)"
+    )
     for name in ("every_token", "distinct_contexts"):
         if name in floor:
             f = floor[name]
-            print(f"floor over {name.replace('_', ' ')} ({f['positions']} positions): {f['seconds']:.3f} s (body {f['body_seconds']:.3f} "
-                  f"+ head matmul {f['head_matmul_seconds']:.3f} + softmax {f['softmax_seconds']:.3f}); ours / floor = {f['ours_over_floor']:.2f}")
+            print(
+                f"floor over {name.replace('_', ' ')} ({f['positions']} positions): {f['seconds']:.3f} s (body {f['body_seconds']:.3f} "
+                f"+ head matmul {f['head_matmul_seconds']:.3f} + softmax {f['softmax_seconds']:.3f}); ours / floor = {f['ours_over_floor']:.2f}"
+            )
     print(
         f"matmul {floor['matmul_gflops']:.0f} GFLOP/s; the forward of every scored token is {floor['forward_flops']['total'] / 1e9:,.0f} GFLOP; "
         f"ours does that workload at {100 * floor['ours_fraction_of_peak']:.0f}% of the matmul peak\n"
@@ -453,7 +493,9 @@ def print_table(report: dict) -> None:
     )
     if "lm_eval" in report:
         r = report["lm_eval"]
-        print(f"lm-eval {r['version']} scored the same token ids: {r['same_token_ids']}; max |lm-eval - ours| = {r['max_abs_diff_vs_ours']:.2e} nats a sentence")
+        print(
+            f"lm-eval {r['version']} scored the same token ids: {r['same_token_ids']}; max |lm-eval - ours| = {r['max_abs_diff_vs_ours']:.2e} nats a sentence"
+        )
 
 
 if __name__ == "__main__":

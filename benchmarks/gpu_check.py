@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_scoring import (  # noqa: E402
+from bench_scoring import (
     DTYPES,
     SHAPES,
     SHARED,
@@ -47,7 +47,7 @@ from bench_scoring import (  # noqa: E402
     timed,
 )
 
-from tatblimp_callback import Scorer, ScoringMethod, build_cache, load_benchmark  # noqa: E402
+from tatblimp_callback import Scorer, ScoringMethod, build_cache, load_benchmark
 
 TARGET_EVAL_SECONDS = 0.1
 TARGET_SPEEDUP = 20.0
@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timed evaluations (min is kept)")
     parser.add_argument("--steps", type=int, default=60, help="training steps per timed loop")
     parser.add_argument("--evals", type=int, default=2, help="evaluations inside the second timed loop")
-    parser.add_argument("--train-batch", type=int, default=None, help="sequences per training step (default: 8 on a GPU, 2 on a CPU)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence (default: 2048 on a GPU, 128 on a CPU)")
+    parser.add_argument(
+        "--train-batch", type=int, default=None, help="sequences per training step (default: 8 on a GPU, 2 on a CPU)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per training sequence (default: 2048 on a GPU, 128 on a CPU)"
+    )
     parser.add_argument("--skip-lm-eval", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -107,7 +107,9 @@ def train_run(lines: list[str], vocab_size: int, args: argparse.Namespace, out: 
     )
     start = time.perf_counter()
     Trainer(model=LlamaForCausalLM(config), args=training, train_dataset=dataset).train()
-    print(f"vocab {vocab_size} ({len(tokenizer)} pieces): {len(dataset)} blocks, trained {args.steps} steps in {time.perf_counter() - start:.0f} s")
+    print(
+        f"vocab {vocab_size} ({len(tokenizer)} pieces): {len(dataset)} blocks, trained {args.steps} steps in {time.perf_counter() - start:.0f} s"
+    )
     return run_dir, model_file
 
 

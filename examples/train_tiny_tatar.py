@@ -37,8 +37,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-to", default="wandb", help="wandb, tensorboard, none, ...")
-    parser.add_argument("--save-steps", type=int, default=0,
-                        help="also save a checkpoint every this many steps (for tatblimp sweep / compare); 0: none")
+    parser.add_argument(
+        "--save-steps",
+        type=int,
+        default=0,
+        help="also save a checkpoint every this many steps (for tatblimp sweep / compare); 0: none",
+    )
     parser.add_argument("--resume", metavar="CHECKPOINT", help="resume from this checkpoint of an earlier run (--save-steps)")
     return parser.parse_args()
 
@@ -127,15 +131,19 @@ def main() -> None:
         raise SystemExit(f"TatBLiMP scoring failed {callback.failures} times; see the log above")
     print()
     print(results.format_table())
-    print(f"\ntrained {args.steps} steps in {minutes:.1f} min; {len(callback.history)} evaluations, "
-          f"{sum(h['tatblimp/eval_seconds'] for h in callback.history):.1f} s of scoring in all")
+    print(
+        f"\ntrained {args.steps} steps in {minutes:.1f} min; {len(callback.history)} evaluations, "
+        f"{sum(h['tatblimp/eval_seconds'] for h in callback.history):.1f} s of scoring in all"
+    )
     trainer.save_model(str(output / "model"))
     (output / "tatblimp_results.json").write_text(json.dumps(results.to_dict(), indent=1, ensure_ascii=False))
     plot = output / "tatblimp_acc_norm.png"
     size = sum(p.numel() for p in model.parameters()) / 1e6
     plot_curves(callback.history, plot, metric="acc_norm", title=f"TatBLiMP while a {size:.1f}M Llama learns Tatar")
-    print(f"wrote {plot}, {output / 'tatblimp_results.json'}, {output / 'tatblimp_history.jsonl'} (one line per evaluation)"
-          f" and the model in {output / 'model'}")
+    print(
+        f"wrote {plot}, {output / 'tatblimp_results.json'}, {output / 'tatblimp_history.jsonl'} (one line per evaluation)"
+        f" and the model in {output / 'model'}"
+    )
 
 
 if __name__ == "__main__":

@@ -81,11 +81,11 @@ class SentenceCache:
     def sentence(self, index: int) -> list[int]:
         return self.token_ids[self.offsets[index] : self.offsets[index + 1]].tolist()
 
-    def to(self, device: torch.device | str) -> "SentenceCache":
+    def to(self, device: torch.device | str) -> SentenceCache:
         """This cache with its tensors on ``device``."""
         return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
 
-    def cut_to(self, max_tokens: int) -> "SentenceCache":
+    def cut_to(self, max_tokens: int) -> SentenceCache:
         """A copy with every sentence longer than ``max_tokens`` cut to its first ``max_tokens`` tokens."""
         pieces, cut = [], []
         for s, n in enumerate(self.lengths):
@@ -115,7 +115,7 @@ class SentenceCache:
         os.replace(partial, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "SentenceCache":
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> SentenceCache:
         from safetensors import safe_open
 
         with safe_open(os.fspath(path), framework="pt", device="cpu") as handle:

@@ -160,8 +160,9 @@ class TatBLiMPCallback(TrainerCallback):
                 try:
                     self._history_file.start({entry["step"] for entry in self.history})
                 except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
-                    logger.warning("tatblimp: cannot use the history file %s (%s); none is written in this run",
-                                   self._history_file.path, err)
+                    logger.warning(
+                        "tatblimp: cannot use the history file %s (%s); none is written in this run", self._history_file.path, err
+                    )
                     self._history_file = None
             missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
@@ -230,8 +231,10 @@ class TatBLiMPCallback(TrainerCallback):
         if self.trainer is None:
             return None
         if self.trainer.state is not state:
-            logger.warning("tatblimp: the callback's trainer= does not hold it (another Trainer runs it); "
-                           "its results reach state.log_history, wandb, the console and the history file only")
+            logger.warning(
+                "tatblimp: the callback's trainer= does not hold it (another Trainer runs it); "
+                "its results reach state.log_history, wandb, the console and the history file only"
+            )
             return None
         return self.trainer
 

@@ -116,7 +116,11 @@ class ForcedChoiceResults:
             lines.append(f"{name:<{width}}  {g.pairs:>5}  {g.accuracy:>8.4f}  {g.both_orders:>11.4f}  {g.a_share:>7.4f}")
         o = self.overall
         lines.append(f"{o.items} items ({o.pairs} pairs x 2 orderings); A share 0.5 = no position bias")
-        for counter, what in (("ties", "log-prob ties"), ("non_finite", "non-finite log-probs"), ("unparsed", "replies that are not A or B")):
+        for counter, what in (
+            ("ties", "log-prob ties"),
+            ("non_finite", "non-finite log-probs"),
+            ("unparsed", "replies that are not A or B"),
+        ):
             if getattr(o, counter):
                 lines.append(f"{getattr(o, counter)} items with {what}, counted as wrong")
         return "\n".join(lines)
@@ -135,8 +139,9 @@ def compute_choice_results(
     names = benchmark.phenomena
     group_index = np.array([names.index(p.phenomenon) for p in benchmark.pairs])
     identity = (benchmark.md5, benchmark.release, benchmark.source)
-    return choice_results(items, group_index, names, identity, model=model, prompt=prompt, system_prompt=system_prompt,
-                          run_info=run_info)
+    return choice_results(
+        items, group_index, names, identity, model=model, prompt=prompt, system_prompt=system_prompt, run_info=run_info
+    )
 
 
 def choice_results(
@@ -201,6 +206,15 @@ def items_from_logprobs(logprobs: torch.Tensor | np.ndarray) -> list[ChoiceItem]
             answer, note = None, "tie"
         else:
             answer, note = ("A" if a > b else "B"), None
-        items.append(ChoiceItem(pair=k // 2, order=ORDERS[k % 2], expected=LETTERS[k % 2], answer=answer,
-                                note=note, logprob_a=float(a), logprob_b=float(b)))
+        items.append(
+            ChoiceItem(
+                pair=k // 2,
+                order=ORDERS[k % 2],
+                expected=LETTERS[k % 2],
+                answer=answer,
+                note=note,
+                logprob_a=float(a),
+                logprob_b=float(b),
+            )
+        )
     return items

@@ -88,22 +88,33 @@ def run_score(args: argparse.Namespace) -> None:
 def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
     """``score`` options of the forced-choice protocol (local chat model or chat-completions endpoint)."""
     group = parser.add_argument_group("forced choice (chat models; see forced_choice.py and endpoint.py)")
-    group.add_argument("--protocol", choices=("logprob", "forced-choice"), default="logprob",
-                       help="logprob: logP(good) > logP(bad) (default); forced-choice: the model names the grammatical "
-                       "one of sentences A and B, both orderings")
-    group.add_argument("--prompt-file", help="UTF-8 file with the user message, {a} and {b} for the sentences "
-                       "(default: forced_choice.DEFAULT_PROMPT)")
+    group.add_argument(
+        "--protocol",
+        choices=("logprob", "forced-choice"),
+        default="logprob",
+        help="logprob: logP(good) > logP(bad) (default); forced-choice: the model names the grammatical "
+        "one of sentences A and B, both orderings",
+    )
+    group.add_argument(
+        "--prompt-file",
+        help="UTF-8 file with the user message, {a} and {b} for the sentences (default: forced_choice.DEFAULT_PROMPT)",
+    )
     group.add_argument("--system-prompt", help="a system message before each prompt (default: none)")
     group.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server, e.g. http://localhost:8000/v1")
     group.add_argument("--model-name", help="the model field of each endpoint request")
-    group.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                       help="environment variable holding the endpoint's API key, if it needs one (default: OPENAI_API_KEY)")
+    group.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the endpoint's API key, if it needs one (default: OPENAI_API_KEY)",
+    )
     group.add_argument("--results", help="endpoint: append answers to this JSONL file and skip those already in it")
     group.add_argument("--concurrency", type=int, default=8, help="endpoint: requests at once (default: 8)")
     group.add_argument("--max-retries", type=int, default=4, help="endpoint: retries per request on 5xx/connection errors")
     group.add_argument("--timeout", type=float, default=60.0, help="endpoint: seconds per request (default: 60)")
     group.add_argument("--max-tokens", type=int, default=8, help="endpoint: reply token limit (default: 8)")
-    group.add_argument("--extra-body", help='endpoint: JSON object of extra request fields, e.g. \'{"guided_choice": ["A", "B"]}\'')
+    group.add_argument(
+        "--extra-body", help='endpoint: JSON object of extra request fields, e.g. \'{"guided_choice": ["A", "B"]}\''
+    )
 
 
 def run_forced_choice(args: argparse.Namespace) -> None:
@@ -125,12 +136,25 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         extra_body = json.loads(args.extra_body) if args.extra_body else None
         if extra_body is not None and not isinstance(extra_body, dict):
             raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body}")
-        client = ChatClient(args.endpoint, args.model_name, api_key=os.environ.get(args.api_key_env) or None,
-                            max_tokens=args.max_tokens, extra_body=extra_body, timeout=args.timeout,
-                            max_retries=args.max_retries)
-        results = evaluate_endpoint(client, args.data, prompt=prompt, system_prompt=args.system_prompt,
-                                    results_path=args.results, concurrency=args.concurrency,
-                                    allow_modified=args.allow_modified, progress=sys.stderr.isatty())
+        client = ChatClient(
+            args.endpoint,
+            args.model_name,
+            api_key=os.environ.get(args.api_key_env) or None,
+            max_tokens=args.max_tokens,
+            extra_body=extra_body,
+            timeout=args.timeout,
+            max_retries=args.max_retries,
+        )
+        results = evaluate_endpoint(
+            client,
+            args.data,
+            prompt=prompt,
+            system_prompt=args.system_prompt,
+            results_path=args.results,
+            concurrency=args.concurrency,
+            allow_modified=args.allow_modified,
+            progress=sys.stderr.isatty(),
+        )
     else:
         from .forced_choice import evaluate_forced_choice
 
@@ -139,8 +163,12 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
         model = load_model(args.model, args.device, args.dtype)
         results = evaluate_forced_choice(
-            model, tokenizer, args.data, prompt=prompt,
-            system_prompt=args.system_prompt, allow_modified=args.allow_modified,
+            model,
+            tokenizer,
+            args.data,
+            prompt=prompt,
+            system_prompt=args.system_prompt,
+            allow_modified=args.allow_modified,
             memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         )
         results.model = args.model

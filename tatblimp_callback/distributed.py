@@ -173,10 +173,8 @@ def retry_together(error: torch.OutOfMemoryError) -> None:
     """After ``error``: return if every failing process ran out of memory, so that all retry together
     with the same smaller budget; raise ``PeerFailure`` if another process failed otherwise."""
     if world()[1] > 1 and not getattr(error, _SHARED, False):
-        try:
+        with contextlib.suppress(torch.OutOfMemoryError):
             check_in(error)
-        except torch.OutOfMemoryError:
-            pass
 
 
 @contextlib.contextmanager

@@ -72,9 +72,16 @@ class Evaluator:
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
         """Build (or move) the cache to the model's device and set up the scorer; done once per model."""
+
         def build(device: torch.device) -> SentenceCache:
-            return build_cache(self.tokenizer, self.data, device=device, prefix_token_id=self.prefix_token_id,
-                               allow_modified=self.allow_modified, cache_path=self.cache_path)
+            return build_cache(
+                self.tokenizer,
+                self.data,
+                device=device,
+                prefix_token_id=self.prefix_token_id,
+                allow_modified=self.allow_modified,
+                cache_path=self.cache_path,
+            )
 
         return scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
 
@@ -122,7 +129,9 @@ def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
     }
 
 
-def evaluate(model: torch.nn.Module, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None, **options) -> Results:
+def evaluate(
+    model: torch.nn.Module, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None, **options
+) -> Results:
     """Score ``model`` on TatBLiMP (or another minimal-pair file) once.
 
     ``options`` are those of ``Evaluator``. For repeated scoring keep an ``Evaluator``, which

@@ -41,14 +41,7 @@ from .evaluation import scorer_for, timed_score
 from .scoring import Scorer, ScoringMethod
 from .tokenization import TokenizationError, tokenizer_name
 
-DEFAULT_PROMPT = (
-    "Which of these two sentences is grammatical Tatar?\n"
-    "\n"
-    "A: {a}\n"
-    "B: {b}\n"
-    "\n"
-    "Answer with one letter: A or B."
-)
+DEFAULT_PROMPT = "Which of these two sentences is grammatical Tatar?\n\nA: {a}\nB: {b}\n\nAnswer with one letter: A or B."
 """The user message of every item; ``{a}`` and ``{b}`` are replaced by the two sentences."""
 
 DEFAULT_ROW_LENGTH = 1024  # prompts are long: a row holds a few prefix trees of them
@@ -113,8 +106,14 @@ def build_prompt_cache(
     pad = int(next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, encoded[0][-1]) if t is not None))
     key = f"{cache_fingerprint(benchmark, tokenizer, pad)}:{prompt}:{system_prompt}"
     cache = cache_from_token_lists(
-        encoded, benchmark, texts, prefix_token_id=pad, tokenizer_name=name,
-        fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16], answer_ids=answer_ids, prompt=prompt,
+        encoded,
+        benchmark,
+        texts,
+        prefix_token_id=pad,
+        tokenizer_name=name,
+        fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16],
+        answer_ids=answer_ids,
+        prompt=prompt,
         system_prompt=system_prompt,
     )
     return cache.to(device)
@@ -161,10 +160,18 @@ class ForcedChoiceEvaluator:
             and checked by the scorer.
     """
 
-    def __init__(self, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None, *,
-                 prompt: str = DEFAULT_PROMPT, system_prompt: str | None = None, cache: SentenceCache | None = None,
-                 allow_modified: bool = False, memory_budget: int | None = None,
-                 method: ScoringMethod | str | None = None):
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        data: Benchmark | str | os.PathLike | None = None,
+        *,
+        prompt: str = DEFAULT_PROMPT,
+        system_prompt: str | None = None,
+        cache: SentenceCache | None = None,
+        allow_modified: bool = False,
+        memory_budget: int | None = None,
+        method: ScoringMethod | str | None = None,
+    ):
         if tokenizer is None and cache is None:
             raise ValueError("ForcedChoiceEvaluator needs a tokenizer or a prebuilt cache")
         if cache is not None and not cache.answer_ids:
@@ -181,12 +188,18 @@ class ForcedChoiceEvaluator:
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
         """Build (or move) the prompt cache to the model's device and set up the scorer; once per model."""
-        def build(device: torch.device) -> SentenceCache:
-            return build_prompt_cache(self.tokenizer, self.data, prompt=self.prompt, system_prompt=self.system_prompt,
-                                      device=device, allow_modified=self.allow_modified)
 
-        return scorer_for(self, model, build, memory_budget=self.memory_budget, method=self.method,
-                          row_length=DEFAULT_ROW_LENGTH)
+        def build(device: torch.device) -> SentenceCache:
+            return build_prompt_cache(
+                self.tokenizer,
+                self.data,
+                prompt=self.prompt,
+                system_prompt=self.system_prompt,
+                device=device,
+                allow_modified=self.allow_modified,
+            )
+
+        return scorer_for(self, model, build, memory_budget=self.memory_budget, method=self.method, row_length=DEFAULT_ROW_LENGTH)
 
     def __call__(self, model: torch.nn.Module) -> ForcedChoiceResults:
         """Answer every item with ``model`` and return the results.
@@ -201,13 +214,19 @@ class ForcedChoiceEvaluator:
         run_info["answer_token_ids"] = list(cache.answer_ids)
         name = getattr(scorer.lm.config, "_name_or_path", "") or cache.tokenizer_name
         return choice_results(
-            items_from_logprobs(logprobs), cache.phenomenon_index.cpu().numpy(), cache.phenomena,
+            items_from_logprobs(logprobs),
+            cache.phenomenon_index.cpu().numpy(),
+            cache.phenomena,
             (cache.benchmark_md5, cache.benchmark_release, cache.benchmark_source),
-            model=name, prompt=cache.prompt, system_prompt=cache.system_prompt, run_info=run_info,
+            model=name,
+            prompt=cache.prompt,
+            system_prompt=cache.system_prompt,
+            run_info=run_info,
         )
 
 
-def evaluate_forced_choice(model: torch.nn.Module, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None,
-                           **options) -> ForcedChoiceResults:
+def evaluate_forced_choice(
+    model: torch.nn.Module, tokenizer: Any = None, data: Benchmark | str | os.PathLike | None = None, **options
+) -> ForcedChoiceResults:
     """Forced choice on TatBLiMP, once; ``options`` are those of ``ForcedChoiceEvaluator``."""
     return ForcedChoiceEvaluator(tokenizer, data, **options)(model)

@@ -47,9 +47,7 @@ def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -
     return element * (6 * hidden + 3 * intermediate) + 4 * (heads + 1) * row_length
 
 
-def positions_per_forward(
-    memory_budget: int, config, dtype: torch.dtype, row_length: int, full_logits_vocab: int | None
-) -> int:
+def positions_per_forward(memory_budget: int, config, dtype: torch.dtype, row_length: int, full_logits_vocab: int | None) -> int:
     """Positions one forward call may hold within ``memory_budget``, at least one row.
 
     ``full_logits_vocab``: where the model's own forward gives the logits (not the tiled head),

@@ -117,7 +117,9 @@ class Results:
     @property
     def non_finite_sentences(self) -> int:
         """Sentences whose log-prob is NaN or inf."""
-        return sum(not math.isfinite(p.good_logprob) for p in self.pairs) + sum(not math.isfinite(p.bad_logprob) for p in self.pairs)
+        return sum(not math.isfinite(p.good_logprob) for p in self.pairs) + sum(
+            not math.isfinite(p.bad_logprob) for p in self.pairs
+        )
 
     @property
     def partial(self) -> bool:
@@ -198,8 +200,10 @@ class Results:
         rule = "-" * (width + 59)
 
         def row(name: str, g: GroupResult) -> str:
-            return (f"{name:<{width}}  {g.n:>5}  {g.acc:>6.4f}  {format_interval(g.acc_ci):<14}  "
-                    f"{g.acc_norm:>8.4f}  {format_interval(g.acc_norm_ci):<14}")
+            return (
+                f"{name:<{width}}  {g.n:>5}  {g.acc:>6.4f}  {format_interval(g.acc_ci):<14}  "
+                f"{g.acc_norm:>8.4f}  {format_interval(g.acc_norm_ci):<14}"
+            )
 
         lines += [rule, *(row(name, group) for name, group in self.phenomena.items()), rule, row("overall", self.overall)]
         o = self.overall

@@ -87,7 +87,9 @@ def tree_mask_dtype(lm: torch.nn.Module) -> torch.dtype | None:
     return {"sdpa": torch.bool, "eager": next(lm.parameters()).dtype}.get(implementation)
 
 
-def forward_reads_position_ids(run: Callable[[torch.Tensor], torch.Tensor], position_ids: torch.Tensor, context: int | None) -> bool:
+def forward_reads_position_ids(
+    run: Callable[[torch.Tensor], torch.Tensor], position_ids: torch.Tensor, context: int | None
+) -> bool:
     """Whether ``run(position_ids)`` (a forward of one batch) changes when the position ids are doubled.
 
     Doubling changes every distance between positions, so a forward that reads the ids gives other

@@ -26,6 +26,7 @@ once, so the scorer can sum a sentence's tokens in a fixed order, whatever the b
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,7 @@ def tree_rows(sequences: list[list[int]], row_length: int) -> list[list[int]]:
 def token_lists(cache) -> list[list[int]]:
     """Each sequence of a cache (anything with flat ``token_ids`` and ``offsets``) as a host list."""
     ids, offsets = cache.token_ids.tolist(), cache.offsets.tolist()
-    return [ids[start:end] for start, end in zip(offsets, offsets[1:])]
+    return [ids[start:end] for start, end in itertools.pairwise(offsets)]
 
 
 def build_layout(

@@ -51,9 +51,16 @@ def log_to_trainer_callbacks(trainer, skip, args, state, control, metrics: dict[
         if callback is skip or isinstance(callback, skipped):
             continue
         callback.on_log(
-            args, state, control, logs=dict(metrics), model=handler.model, processing_class=handler.processing_class,
-            optimizer=handler.optimizer, lr_scheduler=handler.lr_scheduler,
-            train_dataloader=handler.train_dataloader, eval_dataloader=handler.eval_dataloader,
+            args,
+            state,
+            control,
+            logs=dict(metrics),
+            model=handler.model,
+            processing_class=handler.processing_class,
+            optimizer=handler.optimizer,
+            lr_scheduler=handler.lr_scheduler,
+            train_dataloader=handler.train_dataloader,
+            eval_dataloader=handler.eval_dataloader,
         )
 
 

@@ -170,8 +170,14 @@ class Scorer:
         if self._sequences is None:
             self._sequences = token_lists(self.cache)
         layout = build_layout(
-            self._sequences, method.layout, self.row_length, key[2], pad_id=self.cache.prefix_token_id,
-            device=self.cache.device, chosen=sequences, answer_ids=self.cache.answer_ids,
+            self._sequences,
+            method.layout,
+            self.row_length,
+            key[2],
+            pad_id=self.cache.prefix_token_id,
+            device=self.cache.device,
+            chosen=sequences,
+            answer_ids=self.cache.answer_ids,
             tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
         )
         if sequences is None:
@@ -302,7 +308,9 @@ class Scorer:
             return True
         if method.layout not in self._reads_positions:
             batch = self._layout(method, sample).batches[0]
-            reads = forward_reads_position_ids(lambda ids: self._model_output(batch, method.head, ids), batch.position_ids, self.context)
+            reads = forward_reads_position_ids(
+                lambda ids: self._model_output(batch, method.head, ids), batch.position_ids, self.context
+            )
             if not reads:
                 logger.warning("tatblimp: this model's forward ignores position_ids, so %s rows cannot be used", method.layout)
             self._reads_positions[method.layout] = reads

@@ -291,9 +291,7 @@ def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:
     for folder in (checkpoint, run_dir):
         if any((folder / name).is_file() for name in TOKENIZER_FILES):
             return str(folder)
-    raise SweepError(
-        f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer"
-    )
+    raise SweepError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer")
 
 
 def _files_key(source: Path) -> str:
@@ -377,7 +375,9 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
                 if wandb_logger:
                     wandb_logger.log(record)
                 bar.update(1)
-                bar.write(f"step {record['step']:>8}  acc {record['acc']:.4f}  acc_norm {record['acc_norm']:.4f}  ({checkpoint.name})")
+                bar.write(
+                    f"step {record['step']:>8}  acc {record['acc']:.4f}  acc_norm {record['acc_norm']:.4f}  ({checkpoint.name})"
+                )
                 last_new = time.monotonic()
             report.incomplete = [c.name for c in pending]
             if not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait):
@@ -427,9 +427,15 @@ def add_sweep_parser(commands) -> None:
     parser.add_argument("--watch", action="store_true", help="keep polling for new checkpoints (stop: Ctrl-C or --max-wait)")
     parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
     parser.add_argument("--max-wait", type=float, help="with --watch: stop after this many seconds without a new checkpoint")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)")
-    parser.add_argument("--acquisition", choices=("estimate", "lower-bound"), default="estimate",
-                        help="acquired when acc_norm (estimate, default) or its 95%% interval's lower bound stays >= threshold")
+    parser.add_argument(
+        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
+    )
+    parser.add_argument(
+        "--acquisition",
+        choices=("estimate", "lower-bound"),
+        default="estimate",
+        help="acquired when acc_norm (estimate, default) or its 95%% interval's lower bound stays >= threshold",
+    )
     parser.add_argument("--wandb-project", help="log the curves to this wandb project")
     parser.add_argument("--wandb-run-id", help="resume this wandb run (e.g. the training run)")
     parser.add_argument("--wandb-entity", help="wandb entity of the project")

@@ -25,14 +25,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import CHAT_TEMPLATE, tiny_llama  # noqa: E402
-from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 
-from tatblimp_callback import Evaluator, ForcedChoiceEvaluator, Scorer, ScoringMethod, TatBLiMPCallback, build_cache  # noqa: E402
-from tatblimp_callback import distributed as tdist  # noqa: E402
-from tatblimp_callback import memory_budget  # noqa: E402
-from tatblimp_callback.forced_choice import DEFAULT_ROW_LENGTH as FC_ROW  # noqa: E402
-from tatblimp_callback.forced_choice import build_prompt_cache  # noqa: E402
+from conftest import CHAT_TEMPLATE, tiny_llama
+from tatblimp_callback import (
+    Evaluator,
+    ForcedChoiceEvaluator,
+    Scorer,
+    ScoringMethod,
+    TatBLiMPCallback,
+    build_cache,
+    memory_budget,
+)
+from tatblimp_callback import distributed as tdist
+from tatblimp_callback.forced_choice import DEFAULT_ROW_LENGTH as FC_ROW
+from tatblimp_callback.forced_choice import build_prompt_cache
 
 BUDGET = 2**20  # small, so that the 96 sentences make several batches
 ROW = 160  # 9 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank
@@ -106,13 +113,17 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     model = tiny_llama(len(tokenizer))
     out = {"one_process": Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()}
     # What FSDP will use: the model's own logits (same budget, so the same batches).
-    out["one_process_logits"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET, method=ScoringMethod("tree", "full_logits")).score()
+    out["one_process_logits"] = Scorer(
+        model, cache, row_length=ROW, memory_budget=BUDGET, method=ScoringMethod("tree", "full_logits")
+    ).score()
     out["one_process_evaluator"] = [p.good_logprob for p in Evaluator(cache=cache, memory_budget=BUDGET)(model).pairs]
     prompts = build_prompt_cache(chat_tokenizer(tokenizer), workdir / "small.jsonl", allow_modified=True)
     out["fc_one_process"] = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW).score()
     fc_logits = ScoringMethod("tree", "full_logits")
     out["fc_one_process_logits"] = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW, method=fc_logits).score()
-    out["fc_one_process_evaluator"] = [i.logprob_a for i in ForcedChoiceEvaluator(cache=prompts, memory_budget=BUDGET)(model).items]
+    out["fc_one_process_evaluator"] = [
+        i.logprob_a for i in ForcedChoiceEvaluator(cache=prompts, memory_budget=BUDGET)(model).items
+    ]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 
     fc_scorer = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW)

@@ -77,14 +77,18 @@ def test_training_losses_are_bit_identical_with_and_without_the_callback(bpe_tok
 
 def test_gradient_accumulation_counts_optimizer_steps(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=2, eval_on_start=False)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], gradient_accumulation_steps=3, max_steps=4)
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], gradient_accumulation_steps=3, max_steps=4
+    )
     trainer.train()
     assert [e["step"] for e in tatblimp_entries(trainer)] == [2, 4]
 
 
 def test_gradient_checkpointing(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=3)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=3, gradient_checkpointing=True)
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=3, gradient_checkpointing=True
+    )
     trainer.train()
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [0, 3] and cb.failures == 0
@@ -160,7 +164,7 @@ def test_raise_on_error_stops_training(bpe_tokenizer, tmp_path):
 
     cb = TatBLiMPCallback(data=tmp_path / "missing.jsonl", eval_steps=2, raise_on_error=True)
     trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4)
-    with pytest.raises(BenchmarkError, match="missing.jsonl"):
+    with pytest.raises(BenchmarkError, match=r"missing\.jsonl"):
         trainer.train()
 
 
@@ -204,11 +208,15 @@ def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_
     tests = str(Path(__file__).parent)
     script = WANDB_SCRIPT.format(tests=tests, data=str(small_data), out=str(tmp_path / "out"))
     env = {**__import__("os").environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": "tatblimp-test"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = next(line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR="))
     wandb_bin = str(Path(sys.executable).parent / "wandb")
-    records = subprocess.run([wandb_bin, "leet", "inspect", "--json", run_dir], capture_output=True, text=True, timeout=120).stdout
+    records = subprocess.run(
+        [wandb_bin, "leet", "inspect", "--json", run_dir], capture_output=True, text=True, timeout=120
+    ).stdout
     history = [json.loads(line)["history"]["item"] for line in records.splitlines() if '"type":"history"' in line]
     ours = [item for item in history if "tatblimp/acc" in item]
     assert [item["train/global_step"] for item in ours] == [0, 2, 4, 5]
@@ -229,21 +237,38 @@ def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_
 
 def test_every_trainer_evaluation_carries_the_tatblimp_metrics(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_steps=100, eval_on_start=False, eval_on_end=False)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4,
-                           eval_strategy="steps", eval_steps=3, eval_dataset=corpus_blocks(bpe_tokenizer, lines=20))
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer)),
+        bpe_tokenizer,
+        tmp_path,
+        [cb],
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=3,
+        eval_dataset=corpus_blocks(bpe_tokenizer, lines=20),
+    )
     trainer.train()
     # The Trainer evaluates at step 3 and, as the run ends there, at the last step 4.
     entries = tatblimp_entries(trainer)
     assert [e["step"] for e in entries] == [3, 4]
     metrics = trainer.evaluate()  # at step 4 again: the metrics of step 4, not scored or logged a second time
-    ours = {key[len("eval_"):]: value for key, value in metrics.items() if key.startswith("eval_tatblimp/")}
+    ours = {key[len("eval_") :]: value for key, value in metrics.items() if key.startswith("eval_tatblimp/")}
     assert ours == {key: value for key, value in entries[-1].items() if key != "step"}
     assert len(ours) == 2 * (PHENOMENA + 1) + 1 and len(tatblimp_entries(trainer)) == 2  # + eval_seconds
 
 
 def test_tatblimp_as_metric_for_best_model_needs_eval_on_evaluate(bpe_tokenizer, small_data, tmp_path):
     cb = callback(small_data, eval_on_evaluate=False)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=2, eval_strategy="steps",
-                           eval_steps=1, metric_for_best_model="tatblimp/acc_norm", eval_dataset=corpus_blocks(bpe_tokenizer, lines=8))
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer)),
+        bpe_tokenizer,
+        tmp_path,
+        [cb],
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="tatblimp/acc_norm",
+        eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
+    )
     with pytest.raises(ValueError, match="eval_on_evaluate=True"):
         trainer.train()

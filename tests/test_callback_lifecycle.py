@@ -72,7 +72,9 @@ def test_failures_continue_across_a_resume(bpe_tokenizer, tmp_path):
     # Up to step 2: preparing, steps 0 and 2 (3 failures); after the resume: preparing again, and step 4.
     assert second.failures == 5
     assert [(e["step"], e["tatblimp/failures"]) for e in tatblimp_entries(trainer, "tatblimp/failures")] == [
-        (0, 2.0), (2, 3.0), (4, 5.0)
+        (0, 2.0),
+        (2, 3.0),
+        (4, 5.0),
     ]
 
 
@@ -93,9 +95,19 @@ def test_early_stopping_and_best_model_on_tatblimp(bpe_tokenizer, small_data, tm
     stopper, order = EarlyStoppingCallback(early_stopping_patience=2), Order()
     callbacks = [order, stopper, cb] if stopper_first else [cb, stopper, order]
     trainer = make_trainer(
-        tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, callbacks, max_steps=30, learning_rate=2e-2,
-        eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-        metric_for_best_model=metric, load_best_model_at_end=True, eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
+        tiny_llama(len(bpe_tokenizer)),
+        bpe_tokenizer,
+        tmp_path,
+        callbacks,
+        max_steps=30,
+        learning_rate=2e-2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model=metric,
+        load_best_model_at_end=True,
+        eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
     )
     trainer.train()
     curve = [(e["step"], e[metric]) for e in tatblimp_entries(trainer) if e["step"] > 0]
@@ -134,9 +146,20 @@ def test_the_final_score_is_of_the_final_weights_not_the_best_checkpoints(bpe_to
     cb = callback(small_data, eval_steps=4, eval_on_evaluate=False)
     # The "best" checkpoint by this (deliberately odd) choice is an early one, loaded before on_train_end.
     trainer = make_trainer(
-        tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb, StopAt(5)], max_steps=12, learning_rate=2e-2,
-        eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, metric_for_best_model="eval_loss",
-        greater_is_better=True, load_best_model_at_end=True, eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
+        tiny_llama(len(bpe_tokenizer)),
+        bpe_tokenizer,
+        tmp_path,
+        [cb, StopAt(5)],
+        max_steps=12,
+        learning_rate=2e-2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+        eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
     )
     trainer.train()
     assert trainer.state.global_step == 5 and trainer.state.best_global_step != 5

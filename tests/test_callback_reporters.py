@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_utils import corpus_blocks, make_trainer, tatblimp_entries
 
+from conftest import tiny_llama
 from tatblimp_callback import TatBLiMPCallback
+from trainer_utils import corpus_blocks, make_trainer, tatblimp_entries
 
 PHENOMENA = 16
 
@@ -39,8 +39,15 @@ def tensorboard_scalars(folder: Path) -> tuple[list[Path], dict[str, list[tuple[
 def test_tensorboard_gets_every_evaluation_once_at_its_step(bpe_tokenizer, small_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     trainer = make_trainer(
-        tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [], report_to=["tensorboard"], max_steps=5,
-        eval_strategy="steps", eval_steps=3, eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
+        tiny_llama(len(bpe_tokenizer)),
+        bpe_tokenizer,
+        tmp_path / "run",
+        [],
+        report_to=["tensorboard"],
+        max_steps=5,
+        eval_strategy="steps",
+        eval_steps=3,
+        eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
     )
     TatBLiMPCallback.attach(trainer, data=small_data, allow_modified=True, eval_steps=2)
     trainer.train()
@@ -115,10 +122,22 @@ def wandb_records(run_dir: str) -> list[dict]:
 
 def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp_path):
     script = WANDB_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": "tatblimp-test",
-           "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")}
-    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_PROJECT": "tatblimp-test",
+        "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = [line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR=")]
 
@@ -129,8 +148,12 @@ def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp
     assert sum(k.startswith("tatblimp/") and k.count("/") == 2 for k in ours[-1]) == 2 * PHENOMENA
     assert not any(k.startswith(("train/tatblimp", "eval/tatblimp")) for item in history for k in item)
     assert any("train/loss" in item for item in history) and any("eval/loss" in item for item in history)
-    assert any(a["path"] == "tatblimp/results.table.json" for r in records if r["type"] == "artifact"
-               for a in r["artifact"]["manifest"]["contents"])
+    assert any(
+        a["path"] == "tatblimp/results.table.json"
+        for r in records
+        if r["type"] == "artifact"
+        for a in r["artifact"]["manifest"]["contents"]
+    )
     _, scalars = tensorboard_scalars(tmp_path / "tb")
     assert [step for step, _ in scalars["train/tatblimp/acc"]] == [0, 2, 3, 4, 5]
     values = [value for _, value in scalars["train/tatblimp/acc"]]
@@ -140,7 +163,8 @@ def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp
     records = wandb_records(second)
     defined = [r["metric"] for r in records if r["type"] == "metric"]
     assert {"glob_name": "tatblimp/*", "step_metric": "train/global_step"}.items() <= next(
-        m for m in defined if m.get("glob_name") == "tatblimp/*").items()
+        m for m in defined if m.get("glob_name") == "tatblimp/*"
+    ).items()
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
     assert [item["train/global_step"] for item in history if "tatblimp/acc" in item] == [0, 2]
     files, _ = tensorboard_scalars(tmp_path / "tb")

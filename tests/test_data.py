@@ -35,13 +35,13 @@ def test_hub_download_offline_is_a_clear_error(monkeypatch, tmp_path):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(BenchmarkError, match="ilchats/TatBLiMP.*(offline|cache)"):
+    with pytest.raises(BenchmarkError, match=r"ilchats/TatBLiMP.*(offline|cache)"):
         load_benchmark()
 
 
 def test_modified_file_needs_consent_and_is_named(tmp_path):
     path = write_pairs(tmp_path / "mine.jsonl", [GOOD])
-    with pytest.raises(BenchmarkError, match="is not the official TatBLiMP v1.0 release"):
+    with pytest.raises(BenchmarkError, match=r"is not the official TatBLiMP v1\.0 release"):
         load_benchmark(path)
     benchmark = load_benchmark(path, allow_modified=True)
     assert not benchmark.official
@@ -72,15 +72,20 @@ def test_blimp_field_names(tmp_path):
         (json.dumps({"good": "x", "bad": 3, "phenomenon": "p"}).encode(), r":2: field 'bad' must be a string, got int"),
         (json.dumps({"good": "x", "bad": "x", "phenomenon": "p"}).encode(), r":2: the good and bad sentences are identical"),
         (json.dumps({"good": "x", "bad": "y"}).encode(), r":2: missing field 'phenomenon'"),
-        (json.dumps({"good": "x", "bad": "y", "phenomenon": "p", "subtype": 1}).encode(), r":2: field 'subtype' must be a string or null"),
-        ("{\"good\": \"\u043a\"}".encode("utf-8")[:-3] + b"\xff\"}", r":2: bytes that are not UTF-8"),
+        (
+            json.dumps({"good": "x", "bad": "y", "phenomenon": "p", "subtype": 1}).encode(),
+            r":2: field 'subtype' must be a string or null",
+        ),
+        ('{"good": "\u043a"}'.encode("utf-8")[:-3] + b'\xff"}', r":2: bytes that are not UTF-8"),
         (b"", r":2: empty line inside the file"),
     ],
     ids=["json", "not-object", "missing", "empty", "non-string", "identical", "no-phenomenon", "subtype", "utf8", "blank"],
 )
 def test_bad_lines_name_file_and_line(tmp_path, second_line, message):
     path = tmp_path / "bad.jsonl"
-    path.write_bytes(json.dumps(GOOD, ensure_ascii=False).encode() + b"\n" + second_line + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    path.write_bytes(
+        json.dumps(GOOD, ensure_ascii=False).encode() + b"\n" + second_line + b"\n" + json.dumps(GOOD).encode() + b"\n"
+    )
     with pytest.raises(BenchmarkError, match=str(path).replace(".", r"\.") + message):
         load_benchmark(path, allow_modified=True)
 

@@ -36,7 +36,11 @@ def launch(scenario: str, workdir: Path) -> tuple[list[dict], str]:
     try:
         done = subprocess.run(
             [*command, str(WORKER), scenario, str(workdir)],
-            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=LAUNCH_TIMEOUT,
+            env=env,
+            cwd=workdir,
         )
     except subprocess.TimeoutExpired as timeout:
         pytest.fail(f"{scenario}: the two processes hung for {LAUNCH_TIMEOUT} s\n{(timeout.stderr or b'')[-3000:]}")

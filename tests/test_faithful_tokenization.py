@@ -18,7 +18,6 @@ from tatblimp_callback.tokenization import check_sentencepiece_mismatch, compare
 pytestmark = pytest.mark.skipif(not SPM_MODEL.exists(), reason=f"the shared SentencePiece model is not at {SPM_MODEL}")
 
 
-
 @pytest.fixture(scope="module")
 def sentences():
     return load_benchmark(DATA).sentences
@@ -116,8 +115,14 @@ def test_callback_with_a_sentencepiece_tokenizer(small_data, tmp_path):
     dataset = [{"input_ids": ids, "labels": ids} for ids in corpus]
     callback = TatBLiMPCallback(eval_steps=1, tokenizer=tokenizer, data=small_data, allow_modified=True, raise_on_error=True)
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
-        save_strategy="no", logging_strategy="no", learning_rate=1e-3,
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        learning_rate=1e-3,
     )
     Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback]).train()
     assert [entry["step"] for entry in callback.history] == [0, 1, 2]

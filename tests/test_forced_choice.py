@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from conftest import (
     CHAT_TEMPLATE,
     CORPUS,
@@ -16,7 +17,6 @@ from conftest import (
     tiny_llama,
     write_pairs,
 )
-
 from tatblimp_callback import load_benchmark
 from tatblimp_callback.cli import main
 from tatblimp_callback.data import Benchmark, Pair
@@ -193,10 +193,14 @@ def test_metrics_on_crafted_logprobs():
     benchmark = _benchmark(["x", "x", "y", "y"])
     # Columns: log P("A"), log P("B"). Item 2i expects A, item 2i+1 expects B.
     logprobs = [
-        [-1.0, -2.0], [-3.0, -1.0],  # pair 0: A (right), B (right): right in both orders
-        [-1.0, -0.5], [-2.0, -1.0],  # pair 1: B (wrong), B (right)
-        [-1.0, -1.0], [-0.1, -4.0],  # pair 2: tie (wrong), A (wrong)
-        [math.nan, -1.0], [-5.0, -0.2],  # pair 3: non-finite (wrong), B (right)
+        [-1.0, -2.0],
+        [-3.0, -1.0],  # pair 0: A (right), B (right): right in both orders
+        [-1.0, -0.5],
+        [-2.0, -1.0],  # pair 1: B (wrong), B (right)
+        [-1.0, -1.0],
+        [-0.1, -4.0],  # pair 2: tie (wrong), A (wrong)
+        [math.nan, -1.0],
+        [-5.0, -0.2],  # pair 3: non-finite (wrong), B (right)
     ]
     results = compute_choice_results(benchmark, items_from_logprobs(torch.tensor(logprobs)), model="m", prompt=DEFAULT_PROMPT)
     o = results.overall
@@ -212,7 +216,9 @@ def test_metrics_on_crafted_logprobs():
     assert flat["tatblimp_fc/accuracy"] == pytest.approx(0.5) and flat["tatblimp_fc/both_orders"] == pytest.approx(0.25)
     assert flat["tatblimp_fc/x/both_orders"] == 0.5 and flat["tatblimp_fc/ties"] == 1.0 and flat["tatblimp_fc/non_finite"] == 1.0
     payload = json.loads(json.dumps(results.to_dict()))
-    assert payload["accuracy"] == 0.5 and payload["per_item"][4]["note"] == "tie" and payload["per_item"][6]["note"] == "non_finite"
+    assert (
+        payload["accuracy"] == 0.5 and payload["per_item"][4]["note"] == "tie" and payload["per_item"][6]["note"] == "non_finite"
+    )
     table = results.format_table()
     assert "overall" in table and "1 items with log-prob ties, counted as wrong" in table
 
@@ -237,7 +243,9 @@ def test_evaluator_restores_mode_and_tokenizes_once(chat_tokenizer, fc_data, mon
     second = evaluator(model)
     # Dropout was off while scoring, so the two evaluations agree exactly.
     assert [i.logprob_a for i in first.items] == [i.logprob_a for i in second.items]
-    assert first.overall.items == 32 and first.run_info["answer_token_ids"] == list(chat_tokenizer.convert_tokens_to_ids(["A", "B"]))
+    assert first.overall.items == 32 and first.run_info["answer_token_ids"] == list(
+        chat_tokenizer.convert_tokens_to_ids(["A", "B"])
+    )
 
 
 def test_prompt_longer_than_context_is_an_error(chat_tokenizer, cache):
@@ -251,8 +259,21 @@ def test_cli_forced_choice_end_to_end(model, chat_tokenizer, fc_data, reference,
     model.save_pretrained(folder)
     chat_tokenizer.save_pretrained(folder)
     out = tmp_path / "fc.json"
-    code = main(["score", str(folder), "--data", str(fc_data), "--allow-modified", "--protocol", "forced-choice",
-                 "--device", "cpu", "--output", str(out)])
+    code = main(
+        [
+            "score",
+            str(folder),
+            "--data",
+            str(fc_data),
+            "--allow-modified",
+            "--protocol",
+            "forced-choice",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0 and "both-orders" in printed and "32 items (16 pairs x 2 orderings)" in printed
     payload = json.loads(out.read_text(encoding="utf-8"))
@@ -266,8 +287,22 @@ def test_cli_forced_choice_end_to_end(model, chat_tokenizer, fc_data, reference,
 
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("no placeholders here", encoding="utf-8")
-    assert main(["score", str(folder), "--data", str(fc_data), "--allow-modified", "--protocol", "forced-choice",
-                 "--prompt-file", str(prompt_file)]) == 1
+    assert (
+        main(
+            [
+                "score",
+                str(folder),
+                "--data",
+                str(fc_data),
+                "--allow-modified",
+                "--protocol",
+                "forced-choice",
+                "--prompt-file",
+                str(prompt_file),
+            ]
+        )
+        == 1
+    )
     assert "forced-choice prompt must contain {a} and {b}" in capsys.readouterr().err
     assert main(["score", "--endpoint", "http://127.0.0.1:9/v1", "--model-name", "m", "--data", str(fc_data)]) == 1
     assert "--endpoint needs --protocol forced-choice" in capsys.readouterr().err
@@ -290,12 +325,29 @@ def test_callback_logs_forced_choice_during_training(chat_tokenizer, fc_data, tm
     from tatblimp_callback import TatBLiMPCallback
 
     model = tiny_llama(len(chat_tokenizer), max_position_embeddings=512).train()
-    callback = TatBLiMPCallback(eval_steps=2, data=fc_data, allow_modified=True, protocol="both", log_table=False,
-                                raise_on_error=True)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
-                             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=_sft_dataset(chat_tokenizer), processing_class=chat_tokenizer,
-                      data_collator=DataCollatorForSeq2Seq(chat_tokenizer, padding=True), callbacks=[callback])
+    callback = TatBLiMPCallback(
+        eval_steps=2, data=fc_data, allow_modified=True, protocol="both", log_table=False, raise_on_error=True
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_sft_dataset(chat_tokenizer),
+        processing_class=chat_tokenizer,
+        data_collator=DataCollatorForSeq2Seq(chat_tokenizer, padding=True),
+        callbacks=[callback],
+    )
     trainer.train()
     steps = [entry["step"] for entry in callback.history]
     assert steps == [0, 2]

@@ -21,9 +21,7 @@ json_values = st.recursive(
 )
 # Mostly well-formed records with arbitrary values in the fields that matter, so that many
 # files get past the first line and into the field checks.
-records = st.dictionaries(
-    st.sampled_from(FIELDS), json_values | st.text(min_size=1, max_size=20), min_size=2, max_size=6
-)
+records = st.dictionaries(st.sampled_from(FIELDS), json_values | st.text(min_size=1, max_size=20), min_size=2, max_size=6)
 lines = st.one_of(
     json_values.map(lambda v: json.dumps(v, ensure_ascii=False)),
     records.map(lambda r: json.dumps(r, ensure_ascii=False)),
@@ -122,7 +120,9 @@ def test_files_on_disk_name_their_path(tmp_path, raw):
 
 def test_the_nasty_cases_by_hand():
     # A JSON string may hold U+2028 or U+0085 (str.splitlines() splits there); JSON Lines splits on "\n" only.
-    pairs = parse_pairs(b'{"good": "a\xe2\x80\xa8b", "bad": "b\xc2\x85a", "phenomenon": "p"}\n{"good": "c", "bad": "d", "phenomenon": "p"}', NAME)
+    pairs = parse_pairs(
+        b'{"good": "a\xe2\x80\xa8b", "bad": "b\xc2\x85a", "phenomenon": "p"}\n{"good": "c", "bad": "d", "phenomenon": "p"}', NAME
+    )
     assert [(p.good, p.bad) for p in pairs] == [("a\u2028b", "b\x85a"), ("c", "d")]
     cases = {
         b"[" * 5000: r"fuzz.jsonl:1: invalid JSON \(nested too deeply\)",

@@ -45,7 +45,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path = [*path, node]
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                return [*path[path.index(target):], target]
+                return [*path[path.index(target) :], target]
             if target not in state and (cycle := visit(target, path)):
                 return cycle
         state[node] = "done"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CORPUS, reference_logprobs
 
+from conftest import CORPUS, reference_logprobs
 from tatblimp_callback import Scorer, ScoringMethod, build_cache, scoring
 from tatblimp_callback.model_checks import weight_fingerprint
 from tatblimp_callback.scoring_method import MOVED, RECHECK_EVERY, RecheckSchedule
@@ -26,8 +26,15 @@ def llama(vocab_size: int, hidden: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -82,7 +89,9 @@ def test_a_forward_that_drops_position_ids_is_caught_at_initialisation(bpe_token
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_a_method_that_goes_wrong_as_the_model_trains_is_replaced(bpe_tokenizer, cache, trained_weights, dtype, monkeypatch, caplog):
+def test_a_method_that_goes_wrong_as_the_model_trains_is_replaced(
+    bpe_tokenizer, cache, trained_weights, dtype, monkeypatch, caplog
+):
     model = llama(len(bpe_tokenizer)).to(dtype)
     drop_position_ids(model)
     # Suppose the check at initialisation misses it: the probe says positions are read, and

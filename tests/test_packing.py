@@ -42,9 +42,20 @@ def test_tree_rows_share_prefixes_and_predict_every_token_once():
     assert batch.position_ids[0, :6].tolist() == [0, 1, 1, 1, 2, 3]
     seen = batch.attention_mask[0, 0]
     assert seen.dtype == torch.bool
-    assert [seen[q].nonzero().flatten().tolist() for q in range(8)] == [[0], [0, 1], [0, 2], [0, 3], [0, 3, 4], [0, 3, 4, 5], [6], [7]]
+    assert [seen[q].nonzero().flatten().tolist() for q in range(8)] == [
+        [0],
+        [0, 1],
+        [0, 2],
+        [0, 3],
+        [0, 3, 4],
+        [0, 3, 4, 5],
+        [6],
+        [7],
+    ]
     assert batch.score_positions.tolist() == [0, 1, 2, 3, 4, 5]
-    predicted = sorted(zip(batch.score_sentences.tolist(), batch.score_positions[batch.score_contexts].tolist(), batch.score_targets.tolist()))
+    predicted = sorted(
+        zip(batch.score_sentences.tolist(), batch.score_positions[batch.score_contexts].tolist(), batch.score_targets.tolist())
+    )
     assert predicted == [
         (0, 0, 5), (0, 3, 6), (0, 4, 7), (0, 5, 8),
         (1, 0, 5), (1, 3, 6), (1, 4, 9),
@@ -59,7 +70,10 @@ def test_tree_mask_is_additive_for_eager_attention():
     layout = build_layout(SENTENCES, "tree", row_length=8, tokens_per_batch=8, pad_id=BOS, tree_mask_dtype=torch.bfloat16)
     mask = layout.batches[0].attention_mask[0, 0]
     assert mask.dtype == torch.bfloat16
-    assert mask[4].tolist() == [0, -torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 0, 0] + [-torch.finfo(torch.bfloat16).max] * 3
+    assert (
+        mask[4].tolist()
+        == [0, -torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 0, 0] + [-torch.finfo(torch.bfloat16).max] * 3
+    )
 
 
 def test_a_new_row_starts_when_the_tree_would_outgrow_it():
@@ -81,7 +95,6 @@ def test_packed_and_padded_rows_read_one_position_per_token():
 
 def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once():
     from conftest import reference_logprobs, tiny_llama
-
     from tatblimp_callback import Scorer
     from tatblimp_callback.metrics import compute_results
 

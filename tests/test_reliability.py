@@ -19,10 +19,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from conftest import REPO, tiny_llama, write_pairs
-from trainer_utils import make_trainer, tatblimp_entries
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerControl, TrainerState
 
+from conftest import REPO, tiny_llama, write_pairs
 from tatblimp_callback import (
     Scorer,
     ScoringMethod,
@@ -32,9 +31,9 @@ from tatblimp_callback import (
     memory_budget,
     scoring_method,
 )
+from trainer_utils import make_trainer, tatblimp_entries
 
 PAIRS = 48  # small_data: three pairs of each of the 16 phenomena
-
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,9 @@ def test_too_long_sentence_through_the_callback_fails_or_is_counted(bpe_tokenize
     assert too_long > 0
 
     cb = callback(small_data, eval_steps=2)
-    trainer = make_trainer(tiny_llama(len(bpe_tokenizer), max_position_embeddings=context), bpe_tokenizer, tmp_path / "a", [cb], max_steps=4)
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer), max_position_embeddings=context), bpe_tokenizer, tmp_path / "a", [cb], max_steps=4
+    )
     trainer.train()
     assert trainer.state.global_step == 4 and cb.history == []
     assert cb.failures == 4  # preparing, then steps 0, 2 and 4
@@ -127,7 +128,10 @@ def test_a_nan_sentence_does_not_spread_through_its_row(bpe_tokenizer, cache):
 def test_the_method_check_compares_which_sentences_are_non_finite():
     nan = float("nan")
     reference = torch.tensor([-5.0, nan, -7.0], dtype=torch.float64)
-    tokens, rtol = torch.full((3,), 4.0, dtype=torch.float64), scoring_method.relative_tolerance(torch.float32, torch.device("cpu"))
+    tokens, rtol = (
+        torch.full((3,), 4.0, dtype=torch.float64),
+        scoring_method.relative_tolerance(torch.float32, torch.device("cpu")),
+    )
     assert scoring_method.agree(reference.clone(), reference, tokens, rtol)
     assert not scoring_method.agree(torch.tensor([-5.0, -6.0, -7.0], dtype=torch.float64), reference, tokens, rtol)
     assert not scoring_method.agree(torch.tensor([nan, nan, -7.0], dtype=torch.float64), reference, tokens, rtol)
@@ -165,7 +169,7 @@ def test_nan_log_probs_are_counted_flagged_and_training_goes_on(bpe_tokenizer, s
     assert expected.acc == sum(p.passed for p in kept) / len(kept)
     as_dict = expected.to_dict()
     assert as_dict["partial"] is True and as_dict["non_finite_sentences"] == len(sentences)
-    assert "WARNING: %d pairs (%d sentences) had non-finite" % (len(pairs), len(sentences)) in expected.format_table()
+    assert f"WARNING: {len(pairs)} pairs ({len(sentences)} sentences) had non-finite" in expected.format_table()
 
     # Through the callback: logged and flagged at step 0; training (which spreads the NaN) goes on.
     cb = callback(small_data, eval_steps=100)
@@ -224,7 +228,9 @@ def test_out_of_memory_halves_the_budget_after_freeing_the_failed_attempt(model,
     assert evaluate(model, cache=cache, memory_budget=start, method="packed").run_info["oom_retries"] == scorer.oom_retries
 
 
-def test_out_of_memory_at_the_floor_is_a_callback_failure_and_training_goes_on(bpe_tokenizer, small_data, tmp_path, monkeypatch, caplog):
+def test_out_of_memory_at_the_floor_is_a_callback_failure_and_training_goes_on(
+    bpe_tokenizer, small_data, tmp_path, monkeypatch, caplog
+):
     oom = OutOfMemoryAbove(monkeypatch, limit=0)  # nothing fits, not even the method check
     floor = memory_budget.MIN_MEMORY_BUDGET
     cb = callback(small_data, eval_steps=2, memory_budget=4 * floor)
@@ -258,7 +264,11 @@ def test_foreign_tokenizer_and_meta_weights_fail_in_the_callback_before_any_forw
     assert re.search(r"produces token id \d+, but the model's embedding has only 100 rows", caplog.text)
 
     with torch.device("meta"):
-        meta = LlamaForCausalLM(LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+        meta = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+            )
+        )
     calls = forward_calls(meta)
     cb = callback(small_data, eval_steps=1)
     events(cb, meta, bpe_tokenizer, steps=1)
@@ -316,10 +326,25 @@ def test_wandb_offline_disabled_or_not_logged_in_never_fails_or_asks(one_each, t
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(home), WANDB_DIR=str(tmp_path), WANDB_SILENT="true", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               TESTS_DIR=str(REPO / "tests"), DATA=str(one_each), OUT=str(tmp_path / "runs"))
-    done = subprocess.run([sys.executable, "-c", WANDB_SCRIPT], env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    env.update(
+        HOME=str(home),
+        WANDB_DIR=str(tmp_path),
+        WANDB_SILENT="true",
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TESTS_DIR=str(REPO / "tests"),
+        DATA=str(one_each),
+        OUT=str(tmp_path / "runs"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", WANDB_SCRIPT],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.split("REPORT ", 1)[1])
     for name in ("not logged in, report_to none", "disabled", "offline"):
@@ -360,7 +385,19 @@ def test_no_network_access_with_a_local_data_path(no_network, bpe_tokenizer, sma
     model.save_pretrained(tmp_path / "model")
     bpe_tokenizer.save_pretrained(tmp_path / "model")
     output = tmp_path / "results.json"
-    status = main(["score", str(tmp_path / "model"), "--data", str(small_data), "--allow-modified", "--device", "cpu", "--output", str(output)])
+    status = main(
+        [
+            "score",
+            str(tmp_path / "model"),
+            "--data",
+            str(small_data),
+            "--allow-modified",
+            "--device",
+            "cpu",
+            "--output",
+            str(output),
+        ]
+    )
     assert status == 0 and results.overall.n == PAIRS
     assert json.loads(output.read_text())["acc"] == results.acc
     assert no_network == []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DATA, ignore_tree_masks, reference_logprobs, tiny_llama
-from tatblimp_callback import Evaluator, Scorer, ScoringMethod, ScoringError, build_cache, evaluate, load_benchmark
+from tatblimp_callback import Evaluator, Scorer, ScoringError, ScoringMethod, build_cache, evaluate, load_benchmark
 from tatblimp_callback.data import Benchmark
 
 
@@ -143,8 +143,11 @@ def test_meta_device_model_is_an_error(bpe_tokenizer, cache):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=4))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+            )
+        )
     with pytest.raises(ScoringError, match="meta device"):
         Scorer(model, cache)
 
@@ -152,7 +155,9 @@ def test_meta_device_model_is_an_error(bpe_tokenizer, cache):
 def test_too_long_sentence_is_an_error_or_counted_truncation(bpe_tokenizer, cache):
     model = tiny_llama(len(bpe_tokenizer), max_position_embeddings=20)
     longest = max(cache.lengths)
-    with pytest.raises(ScoringError, match=r"pair \d+ \((good|bad) sentence\) has \d+ tokens, more than the model's context of 20"):
+    with pytest.raises(
+        ScoringError, match=r"pair \d+ \((good|bad) sentence\) has \d+ tokens, more than the model's context of 20"
+    ):
         Scorer(model, cache)
     results = evaluate(model, cache=cache, truncate=True)
     too_long = sum(n > 20 for n in cache.lengths)
@@ -166,8 +171,15 @@ def test_soft_capped_logits_and_a_head_with_bias(bpe_tokenizer, cache, family):
     from transformers import Gemma2Config, Gemma2ForCausalLM, PhiConfig, PhiForCausalLM
 
     torch.manual_seed(0)
-    size = dict(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    size = dict(
+        vocab_size=len(bpe_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     if family == "gemma2":
         model = Gemma2ForCausalLM(Gemma2Config(head_dim=8, final_logit_softcapping=2.0, **size))
     else:

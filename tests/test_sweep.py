@@ -19,7 +19,6 @@ from tatblimp_callback.sweep import SweepError, SweepOptions, find_checkpoints, 
 STEPS = (10, 20, 30)
 
 
-
 def save_checkpoint(folder, tokenizer, seed, trainer_state=True):
     tiny_llama(len(tokenizer), seed=seed).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -80,7 +79,19 @@ def test_cli_sweep_adds_only_new_checkpoints_with_pairs(run_dir, small_data, bpe
     sweep(run_dir, options(small_data))
     # Saved without trainer_state.json: scored once its files stay unchanged for an interval.
     save_checkpoint(run_dir / "step_40", bpe_tokenizer, seed=40, trainer_state=False)
-    code = main(["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--interval", "0.2", "--include-pairs", "--no-progress"])
+    code = main(
+        [
+            "sweep",
+            str(run_dir),
+            "--data",
+            str(small_data),
+            "--allow-modified",
+            "--interval",
+            "0.2",
+            "--include-pairs",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "1 checkpoint(s) scored, 3 already in" in out
@@ -90,9 +101,15 @@ def test_cli_sweep_adds_only_new_checkpoints_with_pairs(run_dir, small_data, bpe
 
 
 def test_find_checkpoints_names_and_errors(run_dir, bpe_tokenizer):
-    assert [(c.step, c.name) for c in find_checkpoints(run_dir)] == [(10, "checkpoint-10"), (20, "checkpoint-20"), (30, "checkpoint-30")]
+    assert [(c.step, c.name) for c in find_checkpoints(run_dir)] == [
+        (10, "checkpoint-10"),
+        (20, "checkpoint-20"),
+        (30, "checkpoint-30"),
+    ]
     save_checkpoint(run_dir / "ckpt_020", bpe_tokenizer, seed=1)
-    with pytest.raises(SweepError, match="checkpoint-20 and ckpt_020 both claim step 20|ckpt_020 and checkpoint-20 both claim step 20"):
+    with pytest.raises(
+        SweepError, match=r"checkpoint-20 and ckpt_020 both claim step 20|ckpt_020 and checkpoint-20 both claim step 20"
+    ):
         find_checkpoints(run_dir)
     with pytest.raises(SweepError, match="not a folder"):
         find_checkpoints(run_dir / "missing")
@@ -154,7 +171,9 @@ def test_curves_are_drawn_from_a_sweep_and_from_a_callback_history(run_dir, smal
     run = load_run(run_dir / "tatblimp.jsonl")
     assert run.is_sweep and run.label == "run" and [e["step"] for e in run.history] == list(STEPS)
     plot_comparison([run], tmp_path / "sweep.png")
-    history = [{"step": s, "tatblimp/acc_norm": 0.5 + s / 100, "tatblimp/a/acc_norm": s / 40, "tatblimp/b/acc_norm": 0.9} for s in STEPS]
+    history = [
+        {"step": s, "tatblimp/acc_norm": 0.5 + s / 100, "tatblimp/a/acc_norm": s / 40, "tatblimp/b/acc_norm": 0.9} for s in STEPS
+    ]
     plot_curves(history, tmp_path / "callback.png", title="demo")
     for name in ("sweep.png", "callback.png"):
         data = (tmp_path / name).read_bytes()
@@ -215,8 +234,17 @@ def test_sweep_records_carry_intervals_and_outcomes_and_compare_two_of_its_steps
     }
     assert report.acquisition == expected and set(expected.values()) - {None}
 
-    code = main(["compare", f"{run_dir}/tatblimp.jsonl@10", f"{run_dir}/tatblimp.jsonl@30", "--acquisition", "lower-bound",
-                 "--threshold", "0.2"])
+    code = main(
+        [
+            "compare",
+            f"{run_dir}/tatblimp.jsonl@10",
+            f"{run_dir}/tatblimp.jsonl@30",
+            "--acquisition",
+            "lower-bound",
+            "--threshold",
+            "0.2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "paired, acc_norm: run@30 against run@10 (baseline)" in out and "acquired (lower bound >= 0.2)" in out
     a, b = lines[0]["outcomes"]["acc_norm"], lines[2]["outcomes"]["acc_norm"]
@@ -229,7 +257,11 @@ def test_curves_draw_a_band_where_the_history_has_intervals(run_dir, small_data,
 
     bands = []
     original = Axes.fill_between
-    monkeypatch.setattr(Axes, "fill_between", lambda self, x, low, high, **kw: bands.append((list(x), list(low), list(high))) or original(self, x, low, high, **kw))
+    monkeypatch.setattr(
+        Axes,
+        "fill_between",
+        lambda self, x, low, high, **kw: bands.append((list(x), list(low), list(high))) or original(self, x, low, high, **kw),
+    )
     sweep(run_dir, options(small_data))
     lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
     plot_comparison([load_run(run_dir / "tatblimp.jsonl")], tmp_path / "sweep.png")
@@ -239,8 +271,16 @@ def test_curves_draw_a_band_where_the_history_has_intervals(run_dir, small_data,
     assert ([low for low, _ in binding], [high for _, high in binding]) in [(b[1], b[2]) for b in bands]
     # A callback history has the overall interval only: one band. Records (the history file) give all.
     bands.clear()
-    history = [{"step": s, "tatblimp/acc_norm": 0.5, "tatblimp/acc_norm_ci_low": 0.4, "tatblimp/acc_norm_ci_high": 0.6,
-                "tatblimp/a/acc_norm": 0.7} for s in STEPS]
+    history = [
+        {
+            "step": s,
+            "tatblimp/acc_norm": 0.5,
+            "tatblimp/acc_norm_ci_low": 0.4,
+            "tatblimp/acc_norm_ci_high": 0.6,
+            "tatblimp/a/acc_norm": 0.7,
+        }
+        for s in STEPS
+    ]
     plot_curves(history, tmp_path / "callback.png")
     assert bands == [(list(STEPS), [0.4] * 3, [0.6] * 3)]
     bands.clear()

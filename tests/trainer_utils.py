@@ -33,8 +33,12 @@ def make_trainer(model, tokenizer, output_dir, callbacks=(), eval_dataset=None, 
     )
     args = TrainingArguments(**{**options, **overrides})
     trainer = Trainer(
-        model=model, args=args, train_dataset=corpus_blocks(tokenizer), eval_dataset=eval_dataset,
-        processing_class=tokenizer, callbacks=list(callbacks),
+        model=model,
+        args=args,
+        train_dataset=corpus_blocks(tokenizer),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
     )
     if attach:
         for callback in callbacks:
