@@ -25,7 +25,8 @@ import torch
 from .data import Benchmark, load_benchmark
 from .tokenization import encode_sentences, resolve_prefix_token_id, tokenizer_fingerprint, tokenizer_name
 
-CACHE_FORMAT = 1
+# 2: only special tokens the tokenizer inserted are stripped (an ordinary prefix token is kept); older caches are rebuilt.
+CACHE_FORMAT = 2
 
 
 @dataclass

@@ -116,7 +116,12 @@ def inserted_special_ids(tokenizer: Any) -> set[int]:
 
 
 def tokenizer_name(tokenizer: Any) -> str:
-    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    """The path or Hub name the tokenizer was loaded from; for one built in memory (the demo's, a Trainer's
+    ``processing_class``), its class and fingerprint, since the class alone does not tell two apart."""
+    name = getattr(tokenizer, "name_or_path", "")
+    if name:
+        return str(name)
+    return f"{type(tokenizer).__name__} (built in memory, fingerprint {tokenizer_fingerprint(tokenizer)})"
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -254,7 +254,8 @@ def test_every_trainer_evaluation_carries_the_tatblimp_metrics(bpe_tokenizer, sm
     metrics = trainer.evaluate()  # at step 4 again: the metrics of step 4, not scored or logged a second time
     ours = {key[len("eval_") :]: value for key, value in metrics.items() if key.startswith("eval_tatblimp/")}
     assert ours == {key: value for key, value in entries[-1].items() if key != "step"}
-    assert len(ours) == 2 * (PHENOMENA + 1) + 1 and len(tatblimp_entries(trainer)) == 2  # + eval_seconds
+    # acc and acc_norm overall and per phenomenon, the overall 95% intervals (4 bounds), eval_seconds
+    assert len(ours) == 2 * (PHENOMENA + 1) + 4 + 1 and len(tatblimp_entries(trainer)) == 2
 
 
 def test_tatblimp_as_metric_for_best_model_needs_eval_on_evaluate(bpe_tokenizer, small_data, tmp_path):

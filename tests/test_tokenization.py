@@ -135,3 +135,11 @@ def test_ties_fail_and_are_counted(bpe_tokenizer):
     assert results.acc == pytest.approx(100 / 1248)
     assert results.overall.ties == 1148
     assert sum(g.ties for g in results.phenomena.values()) == 1148
+
+
+def test_a_tokenizer_built_in_memory_is_named_by_its_fingerprint(bpe_tokenizer, eos_only_tokenizer):
+    from tatblimp_callback.tokenization import tokenizer_fingerprint, tokenizer_name
+
+    name = tokenizer_name(bpe_tokenizer)
+    assert name == f"{type(bpe_tokenizer).__name__} (built in memory, fingerprint {tokenizer_fingerprint(bpe_tokenizer)})"
+    assert tokenizer_name(eos_only_tokenizer) != name  # two in-memory tokenizers are told apart
