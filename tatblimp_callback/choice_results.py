@@ -52,6 +52,11 @@ class ChoiceItem:
     logprob_b: float | None = None
     text: str | None = None  # endpoint: the raw reply
 
+    @classmethod
+    def of_item(cls, item: int, answer: str | None, note: str | None = None, **details) -> ChoiceItem:
+        """Item ``item`` (pair ``item // 2``, ordering ``item % 2``) answered ``answer``."""
+        return cls(item // 2, ORDERS[item % 2], LETTERS[item % 2], answer, note, **details)
+
     @property
     def correct(self) -> bool:
         return self.answer == self.expected
@@ -206,15 +211,5 @@ def items_from_logprobs(logprobs: torch.Tensor | np.ndarray) -> list[ChoiceItem]
             answer, note = None, "tie"
         else:
             answer, note = ("A" if a > b else "B"), None
-        items.append(
-            ChoiceItem(
-                pair=k // 2,
-                order=ORDERS[k % 2],
-                expected=LETTERS[k % 2],
-                answer=answer,
-                note=note,
-                logprob_a=float(a),
-                logprob_b=float(b),
-            )
-        )
+        items.append(ChoiceItem.of_item(k, answer, note, logprob_a=float(a), logprob_b=float(b)))
     return items

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .curves import DEFAULT_THRESHOLD, plot_runs
+from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs
 from .runs import CompareError, Run, load_run, load_runs
 from .stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 
@@ -293,15 +293,7 @@ def add_compare_parser(commands) -> None:
     parser.add_argument("--json", help="write the runs and every paired test as JSON here")
     parser.add_argument("--markdown", help="also write the tables as Markdown here")
     parser.add_argument("--plot", help="draw the sweeps' curves with 95%% bands to this image (needs matplotlib)")
-    parser.add_argument(
-        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
-    )
-    parser.add_argument(
-        "--acquisition",
-        choices=("estimate", "lower-bound"),
-        default="estimate",
-        help="acquired when acc_norm (estimate, default) or its 95%% interval's lower bound stays >= threshold",
-    )
+    add_acquisition_arguments(parser)
     parser.set_defaults(run=run_compare)
 
 

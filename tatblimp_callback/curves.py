@@ -179,3 +179,16 @@ def plot_runs(
     figure.tight_layout()
     figure.savefig(os.fspath(path), dpi=110)
     plt.close(figure)
+
+
+def add_acquisition_arguments(parser) -> None:
+    """``--threshold`` and ``--acquisition``, the options of ``sweep`` and ``compare`` that define "acquired"."""
+    parser.add_argument(
+        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
+    )
+    parser.add_argument(
+        "--acquisition",
+        choices=("estimate", "lower-bound"),
+        default="estimate",
+        help="acquired when acc_norm (estimate, default) or its 95%% interval's lower bound stays >= threshold",
+    )

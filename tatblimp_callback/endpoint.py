@@ -30,7 +30,6 @@ from typing import Any
 from .data import Benchmark, load_benchmark
 from .forced_choice import (
     DEFAULT_PROMPT,
-    LETTERS,
     ORDERS,
     ChoiceItem,
     ForcedChoiceResults,
@@ -240,16 +239,7 @@ def evaluate_endpoint(
     items = []
     for k in range(len(conversations)):
         answer = parse_answer(texts[k])
-        items.append(
-            ChoiceItem(
-                pair=k // 2,
-                order=ORDERS[k % 2],
-                expected=LETTERS[k % 2],
-                answer=answer,
-                note=None if answer else "unparsed",
-                text=texts[k],
-            )
-        )
+        items.append(ChoiceItem.of_item(k, answer, None if answer else "unparsed", text=texts[k]))
     extra = {
         "endpoint": client.endpoint,
         "seconds": time.perf_counter() - start,

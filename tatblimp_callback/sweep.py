@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .curves import DEFAULT_THRESHOLD, acquisition_steps, flat_record, history_from_records
+from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -427,15 +427,7 @@ def add_sweep_parser(commands) -> None:
     parser.add_argument("--watch", action="store_true", help="keep polling for new checkpoints (stop: Ctrl-C or --max-wait)")
     parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
     parser.add_argument("--max-wait", type=float, help="with --watch: stop after this many seconds without a new checkpoint")
-    parser.add_argument(
-        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
-    )
-    parser.add_argument(
-        "--acquisition",
-        choices=("estimate", "lower-bound"),
-        default="estimate",
-        help="acquired when acc_norm (estimate, default) or its 95%% interval's lower bound stays >= threshold",
-    )
+    add_acquisition_arguments(parser)
     parser.add_argument("--wandb-project", help="log the curves to this wandb project")
     parser.add_argument("--wandb-run-id", help="resume this wandb run (e.g. the training run)")
     parser.add_argument("--wandb-entity", help="wandb entity of the project")
