@@ -169,3 +169,62 @@ def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp
     assert [item["train/global_step"] for item in history if "tatblimp/acc" in item] == [0, 2]
     files, _ = tensorboard_scalars(tmp_path / "tb")
     assert len(files) == 1  # the first run's closed TensorBoard writer was not reopened by the second run
+
+
+RESUME_SCRIPT = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import wandb
+from transformers import TrainerCallback
+from conftest import tiny_llama, train_bpe
+from trainer_utils import make_trainer
+from tatblimp_callback import TatBLiMPCallback
+
+
+class PreemptedAt3(TrainerCallback):
+    "The job is killed right after checkpoint-3 is saved."
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            control.should_training_stop = True
+
+
+tokenizer = train_bpe(lines=1500)
+options = dict(report_to=["wandb"], max_steps=6, save_strategy="steps", save_steps=3)
+first = make_trainer(tiny_llama(len(tokenizer)), tokenizer, {out!r}, [], **options)
+first.add_callback(PreemptedAt3())
+TatBLiMPCallback.attach(first, data={data!r}, allow_modified=True, eval_steps=2, eval_on_end=False)
+first.train()
+print("RUN_DIR=" + wandb.run.dir.rsplit("/files", 1)[0])
+wandb.finish()
+# The restarted job: a new process in real life, the same wandb run id (WANDB_RUN_ID, WANDB_RESUME=allow).
+second = make_trainer(tiny_llama(len(tokenizer)), tokenizer, {out!r}, [], **options)
+TatBLiMPCallback.attach(second, data={data!r}, allow_modified=True, eval_steps=2)
+second.train(resume_from_checkpoint={out!r} + "/checkpoint-3")
+print("RUN_DIR=" + wandb.run.dir.rsplit("/files", 1)[0])
+wandb.finish()
+"""
+
+
+def test_a_resumed_wandb_run_keeps_one_curve(small_data, tmp_path):
+    script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_PROJECT": "tatblimp-test",
+        "WANDB_RUN_ID": "tatblimp-resume-test",
+        "WANDB_RESUME": "allow",
+    }
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = [line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR=")]
+    steps = []
+    for run_dir in (before, after):
+        records = wandb_records(run_dir)
+        assert Path(run_dir).name.endswith("-tatblimp-resume-test")  # offline-run-<time>-<run id>: one run
+        history = [r["history"]["item"] for r in records if r["type"] == "history"]
+        steps.append([item["train/global_step"] for item in history if "tatblimp/acc" in item])
+    # Scored at 0 and 2 before the pre-emption; after the resume at 4 and 6 only: each step once, one curve.
+    assert steps == [[0, 2], [4, 6]]
