@@ -1,15 +1,10 @@
 """Score the checkpoints a training run saved to disk: ``tatblimp sweep RUN_DIR``.
 
-Checkpoints are the sub-folders of RUN_DIR whose name ends in a step number (the Trainer's
-``checkpoint-<step>``, or ``step_1000``, ``ckpt42``, ...) and that hold a ``config.json``. They are
+Checkpoints (``checkpoints.py``: what counts as one, and when one is complete) are
 scored in step order and each result is appended, as one JSON line, to ``RUN_DIR/tatblimp.jsonl``;
 checkpoints already in that file are skipped, so a sweep can be stopped and run again.
 
-A checkpoint is read only once it is complete: when its ``trainer_state.json`` exists (the
-Trainer writes it after the weights), or else when it holds a weights file (``model.safetensors``,
-``pytorch_model.bin`` or a sharded index) and the size and modification time of every file in it
-stayed the same between two polls ``interval`` seconds apart. With ``watch`` the folder is polled
-until ``max_wait`` seconds pass without a new checkpoint, or Ctrl-C.
+With ``watch`` the folder is polled until ``max_wait`` seconds pass without a new checkpoint, or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import time
 from contextlib import contextmanager
@@ -27,21 +21,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "tatblimp.jsonl"
-TRAINER_STATE = "trainer_state.json"
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 WATCH_INTERVAL = 30.0
 SETTLE_INTERVAL = 5.0
-_STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
-
-
-class SweepError(RuntimeError):
-    """A run folder or its results file cannot be swept (two checkpoints with one step, a bad line, ...)."""
 
 
 @dataclass
@@ -111,16 +99,6 @@ class SweepOptions:
         return WATCH_INTERVAL if self.watch else SETTLE_INTERVAL
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    step: int
-    path: Path
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-
 @dataclass
 class SweepReport:
     """What one ``sweep`` call did."""
@@ -133,69 +111,6 @@ class SweepReport:
     vanished: list[str] = field(default_factory=list)  # deleted (checkpoint rotation) before being read
     acquisition: dict[str, int | None] = field(default_factory=dict)
     interrupted: bool = False
-
-
-def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
-    """Sub-folders of ``run_dir`` named with a trailing step number and holding a ``config.json``, by step."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise SweepError(f"{run_dir}: not a folder")
-    by_step: dict[int, Path] = {}
-    for child in sorted(run_dir.iterdir()):
-        match = _STEP_NAME.match(child.name)
-        if not match or not child.is_dir() or not (child / "config.json").is_file():
-            continue
-        step = int(match.group(1))
-        if step in by_step:
-            raise SweepError(f"{run_dir}: {by_step[step].name} and {child.name} both claim step {step}")
-        by_step[step] = child
-    return [Checkpoint(step, by_step[step]) for step in sorted(by_step)]
-
-
-def has_weights(path: Path) -> bool:
-    return any((path / name).is_file() for name in WEIGHTS_FILES)
-
-
-def _snapshot(path: Path) -> tuple:
-    entries = []
-    for file in sorted(path.rglob("*")):
-        try:
-            stat = file.stat()
-        except FileNotFoundError:  # deleted between listing and stat: the folder is changing
-            entries.append((str(file), -1, -1))
-            continue
-        if file.is_file():
-            entries.append((str(file.relative_to(path)), stat.st_size, stat.st_mtime_ns))
-    return tuple(entries)
-
-
-class CheckpointWatcher:
-    """Tells complete checkpoints from those still being written, by polling (see the module docstring)."""
-
-    def __init__(self, run_dir: str | os.PathLike, interval: float):
-        self.run_dir = Path(run_dir)
-        self.interval = interval
-        self._seen: dict[Path, tuple[tuple, float]] = {}  # path -> (snapshot, when it was first seen so)
-
-    def poll(self, now: float | None = None) -> tuple[list[Checkpoint], list[Checkpoint]]:
-        """(complete, not yet complete) checkpoints, each in step order."""
-        now = time.monotonic() if now is None else now
-        ready, pending = [], []
-        for checkpoint in find_checkpoints(self.run_dir):
-            (ready if self._is_complete(checkpoint.path, now) else pending).append(checkpoint)
-        return ready, pending
-
-    def _is_complete(self, path: Path, now: float) -> bool:
-        if (path / TRAINER_STATE).is_file():
-            return True
-        if not has_weights(path):
-            return False
-        snapshot = _snapshot(path)
-        previous = self._seen.get(path)
-        if previous is None or previous[0] != snapshot:
-            self._seen[path] = (snapshot, now)
-            return False
-        return now - previous[1] >= self.interval
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
