@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ from transformers import TrainerCallback
 
 from conftest import reference_logprobs, tiny_llama
 from tatblimp_callback import TatBLiMPCallback, evaluate
-from trainer_utils import corpus_blocks, losses, make_trainer, tatblimp_entries
+from trainer_utils import corpus_blocks, losses, make_trainer, run_wandb_script, tatblimp_entries, wandb_records
 
 PHENOMENA = 16
 
@@ -207,17 +205,9 @@ wandb.finish()
 def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_path):
     tests = str(Path(__file__).parent)
     script = WANDB_SCRIPT.format(tests=tests, data=str(small_data), out=str(tmp_path / "out"))
-    env = {**__import__("os").environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": "tatblimp-test"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = next(line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR="))
-    wandb_bin = str(Path(sys.executable).parent / "wandb")
-    records = subprocess.run(
-        [wandb_bin, "leet", "inspect", "--json", run_dir], capture_output=True, text=True, timeout=120
-    ).stdout
-    history = [json.loads(line)["history"]["item"] for line in records.splitlines() if '"type":"history"' in line]
+    (run_dir,) = run_wandb_script(script, tmp_path)
+    records = wandb_records(run_dir)
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
     ours = [item for item in history if "tatblimp/acc" in item]
     assert [item["train/global_step"] for item in ours] == [0, 2, 4, 5]
     keys = set(ours[-1])
@@ -226,7 +216,7 @@ def test_wandb_offline_run_holds_the_curves_at_the_global_steps(small_data, tmp_
     assert not any(k.startswith("train/tatblimp") for item in history for k in item)
     # The Trainer's own losses still go to train/, and the end-of-training table is logged.
     assert any("train/loss" in item for item in history)
-    assert '"path":"tatblimp/results.table.json"' in records.replace(" ", "")
+    assert '"path":"tatblimp/results.table.json"' in json.dumps(records).replace(" ", "")
     # The overall 95% intervals are curves too; the table has one row per phenomenon and overall, with intervals.
     assert ours[-1]["tatblimp/acc_norm_ci_low"] <= ours[-1]["tatblimp/acc_norm"] <= ours[-1]["tatblimp/acc_norm_ci_high"]
     (table_file,) = Path(run_dir, "files", "media", "table", "tatblimp").glob("results_*.table.json")

@@ -3,11 +3,7 @@ real offline wandb, read back from their files."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import tiny_llama
 from tatblimp_callback import TatBLiMPCallback
-from trainer_utils import corpus_blocks, make_trainer, tatblimp_entries
+from trainer_utils import corpus_blocks, make_trainer, run_wandb_script, tatblimp_entries, wandb_records
 
 PHENOMENA = 16
 
@@ -113,33 +109,9 @@ wandb.finish()
 """
 
 
-def wandb_records(run_dir: str) -> list[dict]:
-    wandb_bin = str(Path(sys.executable).parent / "wandb")
-    command = [wandb_bin, "leet", "inspect", "--json", run_dir]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
 def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp_path):
     script = WANDB_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
-    env = {
-        **os.environ,
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_PROJECT": "tatblimp-test",
-        "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    first, second = [line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR=")]
+    first, second = run_wandb_script(script, tmp_path, TENSORBOARD_LOGGING_DIR=str(tmp_path / "tb"))
 
     records = wandb_records(first)
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
@@ -208,18 +180,7 @@ wandb.finish()
 
 def test_a_resumed_wandb_run_keeps_one_curve(small_data, tmp_path):
     script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
-    env = {
-        **os.environ,
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_PROJECT": "tatblimp-test",
-        "WANDB_RUN_ID": "tatblimp-resume-test",
-        "WANDB_RESUME": "allow",
-    }
-    command = [sys.executable, "-c", script]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
-    before, after = [line[8:] for line in done.stdout.splitlines() if line.startswith("RUN_DIR=")]
+    before, after = run_wandb_script(script, tmp_path, WANDB_RUN_ID="tatblimp-resume-test", WANDB_RESUME="allow")
     steps = []
     for run_dir in (before, after):
         records = wandb_records(run_dir)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from transformers import Trainer, TrainingArguments
 
@@ -57,3 +63,20 @@ def tatblimp_entries(trainer: Trainer, key: str = "tatblimp/acc") -> list[dict]:
 
 def weights_copy(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+def run_wandb_script(script: str, wandb_dir: Path, **env: str) -> list[str]:
+    """Run ``script`` (a Trainer run reporting to offline wandb) in a fresh process; the run folders it
+    printed as ``RUN_DIR=...`` lines."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_PROJECT": "tatblimp-test", **env}
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line[len("RUN_DIR=") :] for line in done.stdout.splitlines() if line.startswith("RUN_DIR=")]
+
+
+def wandb_records(run_dir: str) -> list[dict]:
+    """An offline wandb run read back as users would: ``wandb leet inspect --json``, one record a line."""
+    command = [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", run_dir]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
