@@ -101,6 +101,23 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
 
     A file whose md5 is not the official TatBLiMP v1.0 one raises ``BenchmarkError`` unless
     ``allow_modified`` is True; it is then reported as modified, with its own md5, in every result.
+
+    Args:
+        source: a JSONL file of pairs (TatBLiMP's fields, or BLiMP's ``sentence_good``/``sentence_bad``).
+        allow_modified: accept a file that is not the official release.
+
+    Returns:
+        The pairs in file order, with the file's path and md5.
+
+    Raises:
+        BenchmarkError: the file cannot be read or downloaded, a line is malformed (named by file and
+            line), the file is empty, or its md5 is not the official one without ``allow_modified``.
+
+    Example:
+        ```python
+        benchmark = load_benchmark("test.jsonl")
+        print(len(benchmark.pairs), benchmark.release)
+        ```
     """
     path = Path(source) if source is not None else _default_path()
     try:

@@ -23,13 +23,19 @@ def model_device(model: torch.nn.Module) -> torch.device:
 class Evaluator:
     """Holds the tokenized benchmark and a scorer, so each evaluation is a forward pass and nothing more.
 
-    Use it in a custom training loop::
+    The benchmark is read and tokenized at the first call, on the model's device, and kept; each call
+    scores every pair with the model it is given.
 
+    Example:
+        In a custom training loop:
+
+        ```python
         evaluator = Evaluator(tokenizer, data="test.jsonl")
         for step in ...:
             if step % 500 == 0:
                 results = evaluator(model)
                 print(step, results.acc_norm)
+        ```
 
     Args:
         tokenizer: a Hugging Face tokenizer or a ``SentencePieceTokenizer``; not needed with ``cache``.
@@ -42,6 +48,9 @@ class Evaluator:
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.
         cache_path: a safetensors file to load the cache from, or to save it to once built.
+
+    Raises:
+        ValueError: neither ``tokenizer`` nor ``cache`` is given.
     """
 
     def __init__(
@@ -90,6 +99,21 @@ class Evaluator:
 
         Under ``torch.distributed`` every process calls this; each scores a share of the batches
         and all of them return the same results. A failure on one process raises on all of them.
+
+        Args:
+            model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, FSDP, ``torch.compile``
+                or PEFT; it is scored in eval mode without gradients and put back in the mode it was in.
+
+        Returns:
+            The metrics overall, per phenomenon and subtype, and per pair.
+
+        Raises:
+            BenchmarkError: the benchmark file cannot be read, is malformed, or is not the official release
+                (without ``allow_modified``).
+            TokenizationError: no prefix token can be found, or a sentence encodes to no tokens.
+            ScoringError: the model cannot score the benchmark (weights on the meta device, a vocabulary
+                smaller than the tokenizer's, a sentence longer than its context without ``truncate``).
+            PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
@@ -136,5 +160,28 @@ def evaluate(
 
     ``options`` are those of ``Evaluator``. For repeated scoring keep an ``Evaluator``, which
     tokenizes only once.
+
+    Args:
+        model: a causal LM (``AutoModelForCausalLM``), on the device it should be scored on.
+        tokenizer: its Hugging Face tokenizer, or a ``SentencePieceTokenizer`` for a model trained on raw
+            sentencepiece ids; not needed with ``cache=``.
+        data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
+            ``ilchats/TatBLiMP``.
+        **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
+            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``).
+
+    Returns:
+        The metrics overall, per phenomenon and subtype, and per pair.
+
+    Raises:
+        BenchmarkError: the benchmark file cannot be read, is malformed, or is not the official release.
+        TokenizationError: no prefix token can be found, or a sentence encodes to no tokens.
+        ScoringError: the model cannot score the benchmark (see ``Evaluator.__call__``).
+
+    Example:
+        ```python
+        results = evaluate(model, tokenizer, "test.jsonl")
+        print(results.acc_norm, results.phenomena["binding"].acc_norm)
+        ```
     """
     return Evaluator(tokenizer, data, **options)(model)
