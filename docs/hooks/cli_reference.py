@@ -15,7 +15,7 @@ from mkdocs.exceptions import PluginError
 
 PAGE = "reference/cli.md"
 MARKER = "<!-- cli-reference -->"
-USAGE_WIDTH = "100"  # argparse wraps the usage line at $COLUMNS
+USAGE_WIDTH = "80"  # argparse wraps the usage line at $COLUMNS; 80 fits the page's code width
 
 
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
