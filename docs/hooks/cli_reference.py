@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import html
 import os
+import sys
+from pathlib import Path
 
 from mkdocs.exceptions import PluginError
+
+# The package of this checkout, whatever else is installed (mkdocstrings reads its sources from "." too).
+REPO = str(Path(__file__).resolve().parents[2])
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 PAGE = "reference/cli.md"
 MARKER = "<!-- cli-reference -->"

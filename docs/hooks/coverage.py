@@ -11,11 +11,15 @@ A page that misses one fails the build, naming what is missing.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
 
-PACKAGE = Path(__file__).resolve().parents[2] / "tatblimp_callback"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "tatblimp_callback"
+if str(REPO) not in sys.path:  # the package of this checkout, whatever else is installed
+    sys.path.insert(0, str(REPO))
 
 
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
