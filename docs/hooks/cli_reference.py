@@ -15,10 +15,7 @@ from pathlib import Path
 
 from mkdocs.exceptions import PluginError
 
-# The package of this checkout, whatever else is installed (mkdocstrings reads its sources from "." too).
 REPO = str(Path(__file__).resolve().parents[2])
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 PAGE = "reference/cli.md"
 MARKER = "<!-- cli-reference -->"
@@ -30,6 +27,10 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
         return markdown
     if MARKER not in markdown:
         raise PluginError(f"{PAGE} has lost its {MARKER} marker: the generated command-line reference has no place")
+    # The package of this checkout, whatever else is installed (mkdocstrings reads its sources from "." too);
+    # added here, since MkDocs restores sys.path after loading a hook.
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
     from tatblimp_callback.cli import build_parser
 
     return markdown.replace(MARKER, render_cli(build_parser()))

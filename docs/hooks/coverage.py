@@ -18,12 +18,12 @@ from mkdocs.exceptions import PluginError
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "tatblimp_callback"
-if str(REPO) not in sys.path:  # the package of this checkout, whatever else is installed
-    sys.path.insert(0, str(REPO))
 
 
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
     if page.file.src_uri == "reference/api.md":
+        if str(REPO) not in sys.path:  # this checkout's package, as in cli_reference.py
+            sys.path.insert(0, str(REPO))
         import tatblimp_callback
 
         entries = re.findall(r"^::: (tatblimp_callback[\w.]*)", markdown, re.MULTILINE)
