@@ -72,10 +72,12 @@ class Benchmark:
 
     @property
     def official(self) -> bool:
+        """True for the exact TatBLiMP v1.0 file (by md5)."""
         return self.md5 == OFFICIAL_MD5
 
     @property
     def release(self) -> str:
+        """The release name: "TatBLiMP v1.0 (2026-06-19)" for the official file, else "modified (md5 ...)"."""
         return OFFICIAL_RELEASE if self.official else f"modified (md5 {self.md5})"
 
     @property
