@@ -36,6 +36,7 @@ from .forced_choice import (
     all_item_messages,
     compute_choice_results,
 )
+from .jsonl import read_complete_lines
 
 logger = logging.getLogger(__name__)
 
@@ -256,12 +257,7 @@ def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
     """Replies already in a results file; an error if it was written for another model, benchmark or prompt."""
     if not path.exists() or path.stat().st_size == 0:
         return {}
-    raw = path.read_bytes()
-    if not raw.endswith(b"\n"):
-        # A line cut short when a run was killed mid-write: drop it, that item is asked again.
-        raw = raw[: raw.rfind(b"\n") + 1]
-        path.write_bytes(raw)
-    lines = raw.decode("utf-8").splitlines()
+    lines = read_complete_lines(path)  # a line cut short when a run was killed mid-write: that item is asked again
     if not lines:
         return {}
     try:

@@ -101,14 +101,18 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     """``evaluator._scorer`` for ``model``, made once per model (``Scorer(model, cache, **options)``).
 
     The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
-    and moved there when it is elsewhere.
+    and moved there when it is elsewhere; the scorer is made again when the model moved to another
+    device or dtype since it was made.
     """
     device = model_device(model)
+    if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
+        device = torch.device("cpu")
     if evaluator.cache is None:
         evaluator.cache = build(device)
     elif evaluator.cache.device != device:
         evaluator.cache = evaluator.cache.to(device)
-    if evaluator._scorer is None or evaluator._scorer.model is not model:
+    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its own.
+    if evaluator._scorer is None or not evaluator._scorer.serves(model):
         evaluator._scorer = Scorer(model, evaluator.cache, **options)
     return evaluator._scorer
 

@@ -41,6 +41,28 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def check_causal_lm(lm: torch.nn.Module) -> None:
+    """ScoringError up front for a model that does not predict each token from the earlier ones (BERT, T5, ...).
+
+    A class of transformers' own counts as a causal LM when ``AutoModelForCausalLM`` can build it; a class
+    from elsewhere (remote code, a user's subclass) is taken at its word unless its config says encoder-decoder.
+    """
+    cls = type(lm)
+    from_transformers = cls.__module__.startswith("transformers.")
+    encoder_decoder = getattr(getattr(lm, "config", None), "is_encoder_decoder", False)
+    if encoder_decoder or (from_transformers and cls.__name__ not in _causal_lm_class_names()):
+        raise ScoringError(
+            f"{cls.__name__} is not a causal language model: TatBLiMP needs log p(token | earlier tokens), "
+            "which only a model loadable with AutoModelForCausalLM gives"
+        )
+
+
+def _causal_lm_class_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> None:
     """A clear error before any forward pass for meta-device weights or a tokenizer the model cannot embed."""
     if any(p.is_meta for p in lm.parameters()):

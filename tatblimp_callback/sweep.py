@@ -23,6 +23,7 @@ from typing import Any
 
 from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from .jsonl import read_complete_lines
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_complete_lines(path), start=1):
         if not line.strip():
             continue
         try:
