@@ -13,6 +13,7 @@ from . import distributed
 from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
+from .model_checks import weights_label
 from .scoring import Scorer, ScoringMethod, unwrap_model
 
 
@@ -118,7 +119,9 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 
 
 def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries."""
+    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries, and
+    ``weights``, the label (``model_checks.weights_label``) of the weights it measured."""
+    weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score()
     seconds = time.perf_counter() - start
@@ -130,6 +133,7 @@ def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
         "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
         "oom_retries": scorer.oom_retries,
         "method_replacements": scorer.method_replacements,
+        "weights": weights,
     }
 
 

@@ -9,6 +9,7 @@ moved enough to check the method again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 
@@ -136,6 +137,24 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
         if flat.numel() and flat.is_floating_point():
             parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double())
     return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def weights_label(lm: torch.nn.Module) -> str:
+    """16 hex digits that name the model's weights as they are now: a hash of ``weight_fingerprint`` and of
+    every weight tensor's sum (so a change outside the sampled values shows too); one read of the weights.
+
+    Equal labels: the same weights, bit for bit, in all but astronomically unlikely cases. Of a sharded
+    weight, this process's shard.
+    """
+    sums = []
+    for parameter in lm.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        if local.numel() and local.is_floating_point():
+            sums.append(local.detach().sum(dtype=torch.float64))
+    digest = hashlib.sha256(weight_fingerprint(lm).numpy().tobytes())
+    if sums:
+        digest.update(torch.stack(sums).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:

@@ -156,6 +156,14 @@ class HistoryFile:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def logged_copy(log_history: list[dict[str, Any]], logs: dict[str, Any]) -> dict[str, Any] | None:
+    """The entry ``Trainer.log`` appended to ``log_history`` for ``logs`` (a copy, with "step"), if it is the last."""
+    entry = log_history[-1] if log_history else None
+    if entry is None or not all(key in entry and (entry[key] is value or entry[key] == value) for key, value in logs.items()):
+        return None
+    return entry
+
+
 def is_evaluation_log(logs: dict[str, Any]) -> bool:
     """``Trainer.evaluate`` logs its metrics with ``eval_runtime`` (``eval_<name>_runtime`` for a dict of datasets)."""
     return any(key.startswith("eval_") and key.endswith("_runtime") for key in logs)
