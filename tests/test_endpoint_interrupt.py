@@ -9,10 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+import tatblimp_callback
 from tatblimp_callback.cli import main
 from tatblimp_callback.endpoint import ChatClient, evaluate_endpoint
 from test_endpoint import ChatServer
@@ -43,7 +44,8 @@ def test_ctrl_c_sends_nothing_more_and_keeps_every_answer(small_data, tmp_path):
     python = [sys.executable, "-c", "import sys; from tatblimp_callback.cli import main; sys.exit(main(sys.argv[1:]))"]
     with ChatServer(None, None, slow_answer) as server:
         command = [*python, *score(server.url)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        package_root = str(Path(tatblimp_callback.__file__).parents[1])  # the package this test imported
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
         while len(answered) < 4 and time.monotonic() < deadline and process.poll() is None:
