@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
 from transformers import TrainerCallback
 
 from . import distributed, reporting
@@ -35,6 +31,7 @@ from .evaluation import Evaluator
 from .forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
 from .metrics import Results
 from .model_checks import unwrap_model, weights_label
+from .monitoring_errors import ErrorLog, rng_preserved
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +134,7 @@ class TatBLiMPCallback(TrainerCallback):
         self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc"])
         self._warned_unreachable = False
         self._started = False  # on_train_begin ran, or an evaluation before train() did its part
-        self._last_error: str | None = None  # the last error reported with its traceback
+        self._errors = ErrorLog()
         self._start_run([])
 
     @classmethod
@@ -234,6 +231,7 @@ class TatBLiMPCallback(TrainerCallback):
         self.history = [{"step": e["step"], **{k: v for k, v in e.items() if k != "step"}} for e in ours if self._has_results(e)]
         self.failures = int(max((e.get(f"{self.log_prefix}/failures", 0) for e in ours), default=0))
         self._last_step = ours[-1]["step"] if ours else None
+        self._last_weights: str | None = _RESTORED if ours else None  # the label of the weights tried at _last_step
         self._last_metrics = {k: v for k, v in ours[-1].items() if k != "step"} if ours else {}
         # The metrics of every set of weights scored in this run, by weights label: a step is not a set of
         # weights (load_best_model_at_end loads other weights at the same step). Restored entries have no label.
@@ -303,14 +301,8 @@ class TatBLiMPCallback(TrainerCallback):
         except Exception as error:
             if self.raise_on_error:
                 raise
-            self._last_error = _error_text(error)
-            logger.error(
-                "tatblimp: cannot score this model (%s); every evaluation will fail and be counted in %s/failures "
-                "until this is fixed\n%s",
-                self._last_error,
-                self.log_prefix,
-                traceback.format_exc(),
-            )
+            what = f"cannot score this model; every evaluation will fail and be counted in {self.log_prefix}/failures"
+            self._errors.failed(what, error)
 
     def _finish(self, args, state) -> None:
         """The end of training: acquisition steps, and the wandb table and summary."""
@@ -333,21 +325,20 @@ class TatBLiMPCallback(TrainerCallback):
             return {}
         weights = _weights_label_or_none(model)
         new_step = self._last_step != state.global_step
+        # Tried at this step with these weights already (a resumed run's restored point: its checkpoint's, unlabelled).
+        same = weights is None or self._last_weights in (weights, _RESTORED)
+        if distributed.all_agree(not new_step and same):
+            return self._last_metrics
         known = self._by_weights.get(weights) if weights is not None else None
-        if distributed.all_agree(known is not None):  # these very weights were scored in this run
-            if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too, not scored again
-                self._last_step, self._last_metrics = state.global_step, known
+        self._last_step, self._last_weights = state.global_step, weights
+        if distributed.all_agree(known is not None):  # these very weights were scored in this run: their numbers
+            self._last_metrics = known
+            if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too
                 self._record(args, state, control, known, self.last_results if self._last_results_weights == weights else None)
             return known
-        if not new_step and (weights is None or not self._by_weights):
-            return self._last_metrics  # a resumed run's restored last point, of its checkpoint's weights (unlabelled)
-        self._last_step = state.global_step
-        rng = _rng_state()
-        try:
+        with rng_preserved():
             results = self._guarded(self._evaluator, model) if self._evaluator is not None else None
             fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
-        finally:
-            _set_rng_state(rng)
         metrics = {}
         if results is not None:
             self.last_results, self._last_results_weights = results, weights
@@ -367,7 +358,7 @@ class TatBLiMPCallback(TrainerCallback):
         if self.failures:
             metrics[f"{self.log_prefix}/failures"] = float(self.failures)
         self._last_metrics = metrics
-        if weights is not None:
+        if weights is not None and self._has_results(metrics):  # a failure may pass (out of memory): tried again
             self._by_weights[weights] = metrics
         if new_step:
             self._record(args, state, control, metrics, results)
@@ -385,23 +376,15 @@ class TatBLiMPCallback(TrainerCallback):
             self._log(args, state, control, metrics, results)
 
     def _guarded(self, function, *arguments):
-        """Run ``function``; unless ``raise_on_error``, log an exception and return None."""
+        """Run ``function``; unless ``raise_on_error``, log and count an exception and return None."""
         try:
-            result = function(*arguments)
+            return function(*arguments)
         except Exception as error:
             if self.raise_on_error:
                 raise
             self.failures += 1
-            text = _error_text(error)
-            if text == self._last_error:  # the same error as last time (a setting that cannot change): one line
-                logger.error("tatblimp: scoring failed again (failure %d): %s; training continues", self.failures, text)
-                return None
-            self._last_error = text
-            # The traceback goes in as text: a record holding exc_info would keep the failed
-            # evaluation's frames, and every tensor they reference, alive in any handler that stores records.
-            logger.error("tatblimp: scoring failed (failure %d); training continues\n%s", self.failures, traceback.format_exc())
+            self._errors.failed(f"scoring failed (failure {self.failures}); training continues", error)
             return None
-        return result
 
     def _log(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
         """One evaluation, once, to every destination (see ``reporting``)."""
@@ -417,27 +400,11 @@ class TatBLiMPCallback(TrainerCallback):
             reporting.print_line(reporting.console_line(step, metrics, self.log_prefix))
 
 
+_RESTORED = "restored"  # the weights of a resumed run's last restored point: its checkpoint's
+
+
 def _weights_label_or_none(model) -> str | None:
     try:
         return weights_label(unwrap_model(model))
     except Exception:  # weights that cannot be read (meta): the evaluator says why, and counts it
         return None
-
-
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -139,21 +139,24 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
     return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def weights_label(lm: torch.nn.Module) -> str:
+def weights_label(lm: torch.nn.Module) -> str | None:
     """16 hex digits that name the model's weights as they are now: a hash of ``weight_fingerprint`` and of
     every weight tensor's sum (so a change outside the sampled values shows too); one read of the weights.
 
     Equal labels: the same weights, bit for bit, in all but astronomically unlikely cases. Of a sharded
-    weight, this process's shard.
+    weight, this process's shard (DeepSpeed ZeRO-3's partition); None when this process holds none.
     """
     sums = []
     for parameter in lm.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        local = getattr(parameter, "ds_tensor", None)
+        if local is None:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         if local.numel() and local.is_floating_point():
-            sums.append(local.detach().sum(dtype=torch.float64))
+            sums.append(local.detach().sum(dtype=torch.float64).reshape(1))
+    if not sums:
+        return None
     digest = hashlib.sha256(weight_fingerprint(lm).numpy().tobytes())
-    if sums:
-        digest.update(torch.stack(sums).cpu().numpy().tobytes())
+    digest.update(torch.cat(sums).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
