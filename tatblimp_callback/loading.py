@@ -67,6 +67,10 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
         return load_adapter_model(folder, torch_dtype).to(device).eval()
     if folder is not None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
+    if folder is not None:
+        from .model_checks import check_causal_config
+
+        check_causal_config(folder)
     model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype)
     return model.to(device).eval()
 

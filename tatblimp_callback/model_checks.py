@@ -10,8 +10,11 @@ moved enough to check the method again.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,6 +57,33 @@ def check_causal_lm(lm: torch.nn.Module) -> None:
     if encoder_decoder or (from_transformers and cls.__name__ not in _causal_lm_class_names()):
         raise ScoringError(
             f"{cls.__name__} is not a causal language model: TatBLiMP needs log p(token | earlier tokens), "
+            "which only a model loadable with AutoModelForCausalLM gives"
+        )
+
+
+def check_causal_config(folder: str | os.PathLike) -> None:
+    """ScoringError before loading when the ``config.json`` in ``folder`` describes no causal LM: an encoder-decoder
+    (T5) or a model saved as a masked LM (``BertForMaskedLM``), which ``AutoModelForCausalLM`` would refuse
+    with an error about configuration classes, or load as a decoder it never was."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with it
+    architectures = config.get("architectures") or [] if isinstance(config, dict) else []
+    not_causal = set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) | set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
+    causal = _causal_lm_class_names()
+    named = [a for a in architectures if isinstance(a, str)]
+    if (isinstance(config, dict) and config.get("is_encoder_decoder")) or (
+        named and all(a in not_causal and a not in causal for a in named)
+    ):
+        what = ", ".join(named) or f"a {config.get('model_type')} model"
+        raise ScoringError(
+            f"{folder} holds {what}, not a causal language model: TatBLiMP needs log p(token | earlier tokens), "
             "which only a model loadable with AutoModelForCausalLM gives"
         )
 

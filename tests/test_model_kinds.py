@@ -111,3 +111,22 @@ def test_float32_on_a_gpu_that_allows_tf32_through_the_new_api(bpe_tokenizer, sm
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     assert relative_tolerance(torch.float32, torch.device("cuda")) == RELATIVE_TOLERANCE[torch.float32]
     assert evaluate(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, small_data, allow_modified=True).acc_norm > 0
+
+
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_tatblimp_score_names_a_model_folder_that_is_not_a_causal_lm(bpe_tokenizer, small_data, tmp_path, capsys, kind):
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    from tatblimp_callback.cli import main
+
+    if kind == "bert":
+        size = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        model = BertForMaskedLM(BertConfig(vocab_size=len(bpe_tokenizer), max_position_embeddings=256, **size))
+    else:
+        model = T5ForConditionalGeneration(
+            T5Config(vocab_size=len(bpe_tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+        )
+    model.save_pretrained(tmp_path / kind)
+    bpe_tokenizer.save_pretrained(tmp_path / kind)
+    assert main(["score", str(tmp_path / kind), "--data", str(small_data), "--allow-modified", "--device", "cpu"]) == 1
+    assert f"holds {type(model).__name__}, not a causal language model" in capsys.readouterr().err
