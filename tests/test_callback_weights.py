@@ -7,9 +7,13 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from conftest import tiny_llama
 from tatblimp_callback import TatBLiMPCallback, evaluate
 from trainer_utils import corpus_blocks, make_trainer, tatblimp_entries
+
+pytestmark = pytest.mark.slow  # real Trainer runs
 
 
 def callback(small_data, **options):
