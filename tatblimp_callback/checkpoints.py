@@ -53,6 +53,12 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
     return [Checkpoint(step, by_step[step]) for step in sorted(by_step)]
 
 
+def step_of(path: str | os.PathLike | None) -> int | None:
+    """The step number that ends a checkpoint folder's name (``runs/x/checkpoint-40``: 40); None if there is none."""
+    match = _STEP_NAME.match(Path(path).name) if path else None
+    return int(match.group(1)) if match else None
+
+
 def has_weights(path: Path) -> bool:
     return any((path / name).is_file() for name in WEIGHTS_FILES)
 
@@ -97,3 +103,48 @@ class CheckpointWatcher:
             self._seen[path] = (snapshot, now)
             return False
         return now - previous[1] >= self.interval
+
+
+def no_checkpoints_message(run_dir: str | os.PathLike) -> str:
+    """One line for a folder without checkpoints: what was looked for, and where checkpoints are instead
+    (sub-folders that hold some, or the folder's own run folder when it is itself a checkpoint)."""
+    run_dir = Path(run_dir)
+    message = f"{run_dir}: no checkpoints found (looked for sub-folders named with a step number, e.g. checkpoint-500, holding a config.json)"
+    if (run_dir / "config.json").is_file():
+        message += f"; {run_dir} is itself a checkpoint: score it with `tatblimp score {run_dir}`"
+        if run_dir.resolve() in {c.path.resolve() for c in _checkpoints_or_none(run_dir.resolve().parent)}:
+            message += f", or sweep its run folder {run_dir.parent}"
+        return message
+    holding = [str(folder) for folder in _folders_with_checkpoints(run_dir)]
+    if holding:
+        listed = ", ".join(holding[:5]) + (f" and {len(holding) - 5} more" if len(holding) > 5 else "")
+        return message + f"; these sub-folders hold checkpoints: {listed} (sweep one of them)"
+    unnamed = [child.name for child in _subfolders(run_dir) if _STEP_NAME.match(child.name)]
+    if unnamed:
+        message += f"; {', '.join(unnamed[:5])} {'is' if len(unnamed) == 1 else 'are'} named like one but without config.json"
+    return message
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return sorted(child for child in folder.iterdir() if child.is_dir())
+    except OSError:
+        return []
+
+
+def _checkpoints_or_none(folder: Path) -> list[Checkpoint]:
+    try:
+        return find_checkpoints(folder)
+    except (OSError, SweepError):
+        return []
+
+
+def _folders_with_checkpoints(run_dir: Path, depth: int = 2) -> list[Path]:
+    """Sub-folders of ``run_dir``, up to ``depth`` levels down, that hold checkpoints (a run folder of runs)."""
+    found = []
+    for child in _subfolders(run_dir):
+        if _checkpoints_or_none(child):
+            found.append(child)
+        elif depth > 1:
+            found += _folders_with_checkpoints(child, depth - 1)
+    return found
