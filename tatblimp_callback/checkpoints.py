@@ -20,6 +20,7 @@ from pathlib import Path
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 _STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
+_CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 
 
 class SweepError(RuntimeError):
@@ -54,8 +55,9 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
 
 
 def step_of(path: str | os.PathLike | None) -> int | None:
-    """The step number that ends a checkpoint folder's name (``runs/x/checkpoint-40``: 40); None if there is none."""
-    match = _STEP_NAME.match(Path(path).name) if path else None
+    """The step of a model folder named as a checkpoint (``runs/x/checkpoint-40``: 40; also ``step_1000``,
+    ``ckpt-5``); None for any other name (``model0`` is not a step)."""
+    match = _CHECKPOINT_NAME.search(Path(path).name) if path else None
     return int(match.group(1)) if match else None
 
 

@@ -36,6 +36,7 @@ from .forced_choice import (
     all_item_messages,
     compute_choice_results,
 )
+from .provenance import provenance
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ def evaluate_endpoint(
         "requests": len(pending),
         "resumed_items": resumed,
         "retries": client.retries,
+        **provenance(),  # no local model: dtype and device are None
     }
     return compute_choice_results(
         benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, run_info=extra

@@ -13,6 +13,7 @@ from . import distributed
 from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
+from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
 
 
@@ -114,7 +115,8 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 
 
 def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries."""
+    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries, and what
+    made it (``provenance``: versions, dtype, device, date)."""
     start = time.perf_counter()
     logprobs = scorer.score()
     seconds = time.perf_counter() - start
@@ -126,6 +128,7 @@ def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
         "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
         "oom_retries": scorer.oom_retries,
         "method_replacements": scorer.method_replacements,
+        **provenance(scorer.model),
     }
 
 
