@@ -148,7 +148,10 @@ def run_forced_choice(args: argparse.Namespace) -> None:
     if args.protocol != "forced-choice":
         raise ValueError("--endpoint needs --protocol forced-choice (chat endpoints give no sentence log-probabilities)")
     prompt = check_prompt(Path(args.prompt_file).read_text(encoding="utf-8")) if args.prompt_file else DEFAULT_PROMPT
-    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+
+    def benchmark():  # after the options are checked, before a model loads or a request is sent
+        return load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+
     if args.endpoint:
         from .endpoint import ChatClient, evaluate_endpoint
 
@@ -170,7 +173,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         )
         results = evaluate_endpoint(
             client,
-            benchmark,
+            benchmark(),
             prompt=prompt,
             system_prompt=args.system_prompt,
             results_path=args.results,
@@ -183,12 +186,14 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
-        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
+        source = tokenizer_source(args.model, args.tokenizer)
+        pairs = benchmark()
+        tokenizer = load_tokenizer(source)
         model = load_model(args.model, args.device, args.dtype)
         results = evaluate_forced_choice(
             model,
             tokenizer,
-            benchmark,
+            pairs,
             prompt=prompt,
             system_prompt=args.system_prompt,
             allow_modified=args.allow_modified,
