@@ -130,7 +130,7 @@ class Benchmark:
             if (not phenomena or pair.phenomenon in phenomena) and (limit is None or seen[pair.phenomenon] < limit):
                 seen[pair.phenomenon] += 1
                 kept.append(pair)
-        what = [f"first {limit} pairs of each phenomenon" if limit is not None else None]
+        what = [f"first {limit} pair{'s' * (limit != 1)} of each phenomenon" if limit is not None else None]
         what.append(f"phenomena {','.join(name for name in self.phenomena if name in phenomena)}" if phenomena else None)
         selection = "; ".join(filter(None, [self.selection, *what]))
         return replace(self, pairs=tuple(kept), selection=f"{selection} ({len(kept)} of {len(self.pairs)} pairs)")
