@@ -100,3 +100,17 @@ def test_a_sweep_record_says_what_made_it(model_dir, small_data, tmp_path):
     (record,) = [json.loads(line) for line in report.results_path.read_text().splitlines()]
     assert_made_by_this_machine(record, "float32")
     assert record["partial"] is False and record["selection"] is None
+
+
+def test_endpoint_answers_of_the_whole_benchmark_are_not_reused_for_a_selection(small_data, tmp_path):
+    from tatblimp_callback.endpoint import EndpointError, _load_results, _open_results
+
+    benchmark = load_benchmark(small_data, allow_modified=True)
+    header = {"tatblimp_forced_choice": 1, "model": "m", "benchmark_md5": benchmark.md5, "prompt": "p", "system_prompt": None}
+    path = tmp_path / "answers.jsonl"
+    with _open_results(path, {**header, "benchmark_selection": None}) as sink:
+        sink.write(json.dumps({"item": 0, "text": "A"}) + "\n")
+    assert _load_results(path, {**header, "benchmark_selection": None}, 96) == {0: "A"}
+    selection = benchmark.select(limit=1).selection
+    with pytest.raises(EndpointError, match="holds answers for a different benchmark selection"):
+        _load_results(path, {**header, "benchmark_selection": selection}, 32)
