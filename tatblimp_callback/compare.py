@@ -82,6 +82,13 @@ def compare_runs(
                 f"the results were scored on different benchmark files (md5 {listed}); their pairs cannot be compared "
                 "pair by pair (--no-paired shows them side by side)"
             )
+        selections = {run.label: run.record.get("selection") for run in runs}  # --limit, --phenomena
+        if len(set(selections.values())) > 1:
+            listed = ", ".join(f"{label}: {selection or 'all pairs'}" for label, selection in selections.items())
+            raise CompareError(
+                f"the results cover different pairs ({listed}); they cannot be compared pair by pair "
+                "(--no-paired shows them side by side)"
+            )
         for run in runs:
             if run is not base:
                 try:

@@ -190,3 +190,15 @@ def test_missing_matplotlib_is_reported_before_the_tables(results_files, tmp_pat
     captured = capsys.readouterr()
     assert captured.out == "" and not (tmp_path / "c.json").exists()
     assert captured.err == "tatblimp compare: error: plotting needs matplotlib: pip install 'tatblimp-callback[plot]'\n"
+
+
+def test_compare_refuses_pairing_results_of_different_selections(results_files, tmp_path, capsys):
+    _, single = results_files
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({**json.loads(single.read_text()), "selection": None}))
+    selection = "first 3 pairs of each phenomenon; phenomena binding,passives (6 of 1248 pairs)"
+    assert error_of(["compare", str(single), str(whole)], capsys) == (
+        f"the results cover different pairs (b: {selection}, whole: all pairs); they cannot be compared pair by pair "
+        "(--no-paired shows them side by side)"
+    )
+    assert main(["compare", str(single), str(whole), "--no-paired"]) == 0
