@@ -21,8 +21,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .adapters import adapter_base_model, is_adapter_folder
 from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from .jsonl import read_complete_lines
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
 from .outputs import say
 
@@ -119,7 +121,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_complete_lines(path), start=1):
         if not line.strip():
             continue
         try:
@@ -204,7 +206,8 @@ def _quiet_transformers():
 
 
 def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:
-    for folder in (checkpoint, run_dir):
+    base = adapter_base_model(checkpoint) if is_adapter_folder(checkpoint) else None  # a PEFT adapter's base model
+    for folder in (checkpoint, run_dir, *([Path(base)] if base and Path(base).is_dir() else [])):
         if any((folder / name).is_file() for name in TOKENIZER_FILES):
             return str(folder)
     raise SweepError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer")

@@ -10,7 +10,10 @@ from conftest import DATA
 from tatblimp_callback.cli import main
 from tatblimp_callback.sweep import SweepError, SweepOptions, sweep
 
-LOOKED_FOR = "no checkpoints found (looked for sub-folders named with a step number, e.g. checkpoint-500, holding a config.json)"
+LOOKED_FOR = (
+    "no checkpoints found (looked for sub-folders named with a step number, e.g. checkpoint-500, "
+    "holding a config.json or adapter_config.json)"
+)
 
 
 @pytest.fixture
@@ -47,7 +50,7 @@ def test_a_checkpoint_given_as_the_run_folder_is_recognised(runs, capsys):
 def test_a_folder_without_anything_says_what_was_looked_for(runs, capsys):
     assert (
         sweep_error([str(runs / "empty")], capsys)
-        == f"{runs / 'empty'}: {LOOKED_FOR}; step-3 is named like one but without config.json"
+        == f"{runs / 'empty'}: {LOOKED_FOR}; step-3 is named like one but without either"
     )
 
 
