@@ -14,6 +14,7 @@ from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
 from .model_checks import weights_label
+from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
 
 
@@ -143,8 +144,9 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 
 
 def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries, and
-    ``weights``, the label (``model_checks.weights_label``) of the weights it measured."""
+    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries,
+    ``weights``, the label (``model_checks.weights_label``) of the weights it measured, and what made it
+    (``provenance``: versions, dtype, device, date)."""
     weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score()
@@ -158,6 +160,7 @@ def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
         "oom_retries": scorer.oom_retries,
         "method_replacements": scorer.method_replacements,
         "weights": weights,
+        **provenance(scorer.model),
     }
 
 

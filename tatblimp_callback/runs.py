@@ -119,6 +119,11 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
 
 
 def _check_record(record: Any, where: str) -> None:
+    if isinstance(record, dict) and record.get("protocol") == "forced-choice":
+        raise CompareError(
+            f"{where}: a forced-choice result (score --protocol forced-choice); compare takes log-prob results "
+            "(score --output without --protocol, sweep and callback history lines)"
+        )
     if not isinstance(record, dict) or not {"acc", "acc_norm", "phenomena"} <= record.keys():
         raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
 
