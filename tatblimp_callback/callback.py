@@ -46,7 +46,8 @@ class TatBLiMPCallback(TrainerCallback):
     keeps (``history``, ``failures``, ``last_results``, ``acquisition``).
 
     Raises:
-        ValueError: ``eval_steps`` is below 1 or ``protocol`` is unknown (when built); at the start of
+        ValueError: ``eval_steps`` is neither a whole number of at least 1 nor a fraction between 0 and 1, or
+            ``protocol`` is unknown (when built); at the start of
             training, no tokenizer is given and the Trainer has no ``processing_class``, or
             ``metric_for_best_model`` is a TatBLiMP key while ``eval_on_evaluate`` is False.
 
