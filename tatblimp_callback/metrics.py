@@ -99,6 +99,7 @@ class Results:
         tokens: scored tokens over all sentences (the prefix token excluded).
         bytes: UTF-8 bytes over all sentences.
         truncated_sentences: sentences cut to the model's context (with ``truncate``).
+        selection: which pairs were scored when not all (``--limit``, ``--phenomena``); None: all.
         run_info: how it was computed: the scoring method, seconds, padding and prefix sharing, retries, model.
 
     Example:
