@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("model", nargs="?", help="a folder saved with save_pretrained, or a Hub model id (not with --endpoint)")
     add_model_arguments(score)
     score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument(
+        "--include-tokens",
+        action="store_true",
+        help="add each pair's token log-probs, token texts and edit span to pairs[i] of --output (see diagnostics docs)",
+    )
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
@@ -61,6 +66,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         allow_modified=args.allow_modified,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
+        include_tokens=getattr(args, "include_tokens", False),
     )
     if mismatches is not None:
         results.run_info["sentencepiece_mismatches"] = mismatches
@@ -80,6 +86,10 @@ def run_score(args: argparse.Namespace) -> None:
     results = evaluate_from_args(args, args.model)
     results.run_info["model"] = args.model
     print(results.format_table())
+    if results.pair_tokens is not None:
+        from .token_results import edit_margins, format_edit_margins
+
+        print(format_edit_margins(edit_margins(results.pair_tokens, [p.phenomenon for p in results.pairs])))
     if args.output:
         write_json(args.output, results.to_dict())
         print(f"wrote {args.output}")
