@@ -5,6 +5,8 @@
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
     tatblimp compare RESULTS... [--markdown out.md] [--plot out.png]      (see compare.py)
+    tatblimp explain MODEL_DIR --pair N | --phenomenon NAME --worst K     (see explain.py)
+    tatblimp report RESULTS... --output report.html [--model MODEL_DIR]   (see report.py)
 
 A failure exits with status 1 and a one-line message on stderr, not a traceback.
 """
@@ -18,7 +20,9 @@ import sys
 from pathlib import Path
 
 from .compare import add_compare_parser
+from .explain import add_explain_parser
 from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
+from .report import add_report_parser
 from .sweep import add_sweep_parser
 
 
@@ -41,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep_parser(commands)
     add_compare_parser(commands)
+    add_explain_parser(commands)
+    add_report_parser(commands)
     return parser
 
 
