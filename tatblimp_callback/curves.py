@@ -159,7 +159,9 @@ def plot_runs(
             points = sorted((entry["step"], entry[key]) for entry in history if key in entry)
             if points:
                 steps, values = zip(*points)
-                (line,) = axis.plot(steps, values, marker="o", markersize=2.5, linewidth=1.2, label=label)
+                (line,) = axis.plot(
+                    steps, values, marker="o", markersize=2.5, linewidth=1.2, label=label, gid=f"curve:{label}:{name}"
+                )
                 band = sorted((e["step"], e[f"{key}_ci_low"], e[f"{key}_ci_high"]) for e in history if f"{key}_ci_low" in e)
                 if band:
                     band_steps, lows, highs = zip(*band)

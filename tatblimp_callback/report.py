@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from .runs import Run, load_runs, read_outcomes
 from .stats import paired_tests
 
 __all__ = ["build_report", "write_report"]
+
+logger = logging.getLogger(__name__)
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto; max-width: 1280px;
@@ -273,6 +276,23 @@ def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_report(runs, **options), encoding="utf-8")
     return path
+
+
+def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
+    """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
+    run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
+    runs = load_runs([history])
+    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)
+    logger.info("tatblimp: wrote the report %s", output)
+    if wandb_key is not None:
+        from .reporting import wandb_run
+
+        run = wandb_run()
+        if run is not None:
+            import wandb
+
+            with output.open(encoding="utf-8") as page:  # a file object: read as HTML, whatever the file's name
+                run.log({wandb_key: wandb.Html(page, inject=False)})
 
 
 def add_report_parser(commands) -> None:
