@@ -25,7 +25,7 @@ CHROMIUM = os.environ.get("TATBLIMP_CHROMIUM", "/usr/bin/chromium")
 
 
 @pytest.fixture(scope="module")
-def records() -> list[dict]:
+def demo_records() -> list[dict]:
     return [json.loads(line) for line in DEMO.read_text(encoding="utf-8").splitlines()]
 
 
@@ -35,8 +35,8 @@ def flip_counts(a: str, b: str) -> tuple[int, int]:
     return int(((x == one) & (y == zero)).sum()), int(((x == zero) & (y == one)).sum())
 
 
-def never_learned(records: list[dict]) -> int:
-    matrix = np.stack([np.frombuffer(r["outcomes"]["acc_norm"].encode(), dtype=np.uint8) for r in records])
+def never_learned(demo_records: list[dict]) -> int:
+    matrix = np.stack([np.frombuffer(r["outcomes"]["acc_norm"].encode(), dtype=np.uint8) for r in demo_records])
     return int((matrix == ord("0")).all(0).sum())
 
 
@@ -46,37 +46,37 @@ def page_counts(html: str, run: str, metric: str) -> tuple[int, int]:
     return int(counts["lost"]), int(counts["learned"])
 
 
-def test_report_is_self_contained_and_lists_the_flips(records):
+def test_report_is_self_contained_and_lists_the_flips(demo_records):
     html = build_report(load_runs([DEMO]), data=DATA)
     assert not re.search(r"<script|<link|@import|url\(|<img|<iframe", html, re.I)
     assert set(re.findall(r"https?://[^\"' )]+", html)) == {"http://www.w3.org/2000/svg"}  # the SVG namespace only
     for metric in ("acc_norm", "acc"):
-        expected = flip_counts(records[0]["outcomes"][metric], records[-1]["outcomes"][metric])
+        expected = flip_counts(demo_records[0]["outcomes"][metric], demo_records[-1]["outcomes"][metric])
         assert page_counts(html, "demo_history", metric) == expected
-    assert int(re.search(r'<b class="never-count">(\d+)</b>', html).group(1)) == never_learned(records)
+    assert int(re.search(r'<b class="never-count">(\d+)</b>', html).group(1)) == never_learned(demo_records)
     pairs = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()]
     lost = re.search(r'data-kind="lost">\d+</b>.*?<li data-pair="(\d+)">(.*?)</li>', html, re.S)
     assert pairs[int(lost.group(1))]["good"] in lost.group(2)
 
 
-def test_report_of_several_runs_tests_each_against_the_baseline(records):
-    middle = records[len(records) // 2]["step"]
+def test_report_of_several_runs_tests_each_against_the_baseline(demo_records):
+    middle = demo_records[len(demo_records) // 2]["step"]
     html = build_report(load_runs([f"{DEMO}@{middle}", str(DEMO)]), data=DATA)
-    before = next(r for r in records if r["step"] == middle)
+    before = next(r for r in demo_records if r["step"] == middle)
     assert page_counts(html, "demo_history", "acc_norm") == flip_counts(
-        before["outcomes"]["acc_norm"], records[-1]["outcomes"]["acc_norm"]
+        before["outcomes"]["acc_norm"], demo_records[-1]["outcomes"]["acc_norm"]
     )
     assert "demo_history against demo_history@" in html
     assert html.count('class="heatmap"') == 2
 
 
-def test_report_steps_must_exist(records, tmp_path, capsys):
+def test_report_steps_must_exist(demo_records, tmp_path, capsys):
     assert main(["report", str(DEMO), "--output", str(tmp_path / "r.html"), "--steps", "0", "7"]) == 1
     assert "no step 7" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_report_of_the_demo_run_in_headless_chromium(records, tmp_path):
+def test_report_of_the_demo_run_in_headless_chromium(demo_records, tmp_path):
     if not Path(CHROMIUM).exists():
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: CI installs Debian's chromium (.ci/run)")
@@ -100,7 +100,7 @@ def test_report_of_the_demo_run_in_headless_chromium(records, tmp_path):
         page.wait_for_load_state("load")
         assert (errors, failed, requested) == ([], [], [])
         # The curves and the heatmap are drawn: one point per evaluation, one cell per phenomenon and step.
-        steps, phenomena = len(records), len(records[0]["phenomena"])
+        steps, phenomena = len(demo_records), len(demo_records[0]["phenomena"])
         for metric in ("acc_norm", "acc"):
             assert page.locator(f"#curve-{metric} circle.point").count() == steps
             box = page.locator(f"#curve-{metric} polyline.curve").bounding_box()
@@ -111,8 +111,8 @@ def test_report_of_the_demo_run_in_headless_chromium(records, tmp_path):
         for metric in ("acc_norm", "acc"):
             block = page.locator(f'div.flips[data-run="demo_history"][data-metric="{metric}"]')
             shown = [int(block.locator(f'b.flip-count[data-kind="{kind}"]').inner_text()) for kind in ("lost", "learned")]
-            assert tuple(shown) == flip_counts(records[0]["outcomes"][metric], records[-1]["outcomes"][metric])
-        assert int(page.locator("b.never-count").inner_text()) == never_learned(records)
+            assert tuple(shown) == flip_counts(demo_records[0]["outcomes"][metric], demo_records[-1]["outcomes"][metric])
+        assert int(page.locator("b.never-count").inner_text()) == never_learned(demo_records)
         # Readable on a laptop screen: nothing wider than the window.
         assert page.evaluate("document.documentElement.scrollWidth") <= 1366
         shot = tmp_path / "shot.png"
@@ -188,7 +188,7 @@ def test_explain_colours_a_terminal_and_names_bad_requests(model_dir, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_report_with_a_model_shows_the_tokens_of_the_listed_pairs(model_dir, records, tmp_path):
+def test_report_with_a_model_shows_the_tokens_of_the_listed_pairs(model_dir, demo_records, tmp_path):
     from tatblimp_callback.data import load_benchmark
     from tatblimp_callback.explain import score_pairs
     from tatblimp_callback.loading import load_model, load_tokenizer
@@ -202,7 +202,7 @@ def test_report_with_a_model_shows_the_tokens_of_the_listed_pairs(model_dir, rec
     html = report.read_text(encoding="utf-8")
     runs = load_runs([DEMO])
     listed = report_pairs(runs)
-    before, after = Outcomes.from_record(records[0]), Outcomes.from_record(records[-1])
+    before, after = Outcomes.from_record(demo_records[0]), Outcomes.from_record(demo_records[-1])
     assert set(listed) >= {i for i in range(len(before.acc_norm)) if before.acc_norm[i] != after.acc_norm[i]}
     first = listed[0]
     (_result, tokens) = score_pairs(load_model(model_dir, "cpu"), load_tokenizer(model_dir), load_benchmark(DATA), [first])[first]
@@ -214,3 +214,47 @@ def test_report_with_a_model_shows_the_tokens_of_the_listed_pairs(model_dir, rec
     assert bits == [f"{-lp / math.log(2):.1f}" for lp in tokens.good_token_logprobs]
     (start, end) = tokens.edit["good"]
     assert len(re.findall(r'class="tok edit"', rows[0])) == end - start
+
+
+REPORT_SCRIPT = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import wandb
+from conftest import tiny_llama, train_bpe
+from trainer_utils import make_trainer
+from tatblimp_callback import TatBLiMPCallback
+
+tokenizer = train_bpe(lines=1500)
+trainer = make_trainer(tiny_llama(len(tokenizer)), tokenizer, {out!r}, [], report_to=["wandb"], max_steps=4)
+TatBLiMPCallback.attach(trainer, data={data!r}, allow_modified=True, eval_steps=2, report_file="tatblimp_report.html")
+trainer.train()
+print("RUN_DIR=" + wandb.run.dir.rsplit("/files", 1)[0])
+wandb.finish()
+"""
+
+
+@pytest.mark.slow
+def test_the_callback_writes_the_report_and_logs_it_to_wandb(small_data, tmp_path):
+    from trainer_utils import run_wandb_script, wandb_records
+
+    out = tmp_path / "out"
+    script = REPORT_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(out))
+    (run_dir,) = run_wandb_script(script, tmp_path)
+    page = (out / "tatblimp_report.html").read_text(encoding="utf-8")
+    history = [json.loads(line) for line in (out / "tatblimp_history.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["step"] for r in history] == [0, 2, 4]
+    assert page.count('class="cell"') == 3 * 16  # every evaluation of the run, every phenomenon
+    assert page_counts(page, "out", "acc_norm") == flip_counts(
+        history[0]["outcomes"]["acc_norm"], history[-1]["outcomes"]["acc_norm"]
+    )
+    items = [r["history"]["item"] for r in wandb_records(run_dir) if r["type"] == "history"]
+    logged = [item for item in items if "tatblimp/report.path" in item]  # a media value, flattened by the reader
+    assert len(logged) == 1 and logged[0]["tatblimp/report._type"] == "html-file" and logged[0]["train/global_step"] == 4
+    assert (Path(run_dir) / "files" / logged[0]["tatblimp/report.path"]).read_text(encoding="utf-8") == page
+
+
+def test_report_file_needs_the_history_file():
+    from tatblimp_callback import TatBLiMPCallback
+
+    with pytest.raises(ValueError, match="needs history_file"):
+        TatBLiMPCallback(report_file="r.html", history_file=None)
