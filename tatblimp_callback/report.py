@@ -47,10 +47,13 @@ details { margin: 4px 0; } summary { cursor: pointer; } .pairs { font-size: 13px
 .grid { stroke: #eee; } .chance { stroke: #aaa; stroke-dasharray: 2 3; } .threshold { stroke: #888; stroke-dasharray: 6 4; }
 .curve { fill: none; stroke-width: 1.8; } .band { opacity: 0.18; } .cell-text { font-size: 10px; text-anchor: middle; }
 .tokens { display: flex; flex-wrap: wrap; gap: 2px; margin: 2px 0; align-items: flex-end; }
-.tok { display: inline-flex; flex-direction: column; align-items: center; padding: 1px 3px; border-radius: 3px; }
-.tok .t { white-space: pre; font-family: ui-monospace, monospace; font-size: 13px; } .tok .b { font-size: 10px; color: #333; }
-.tok.edit { outline: 2px solid #333; } .label { width: 34px; font-size: 11px; color: #666; align-self: center; }
+.k { display: inline-flex; flex-direction: column; align-items: center; padding: 1px 3px; border-radius: 3px;
+     font-style: normal; white-space: pre; font-family: ui-monospace, monospace; font-size: 13px; }
+.k b { font: 10px system-ui, sans-serif; color: #333; } .k.e { outline: 2px solid #333; }
+.label { width: 34px; font-size: 11px; color: #666; align-self: center; }
 """
+# The shades of the token view: 2 bits of surprisal a step, 16 bits and more the darkest.
+STYLE += " ".join(f".s{level} {{ background: rgba(214, 39, 40, {level / 8:.3f}); }}" for level in range(9))
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
@@ -83,7 +86,7 @@ def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, det
 
 
 def token_view(pair, tokens) -> str:
-    """Both sentences token by token: surprisal in bits under each token, shaded by it; the edit outlined."""
+    """Both sentences token by token: surprisal in bits under each token, shaded by it; the edit outlined (class ``e``)."""
     rows = []
     for label, texts, logprobs, (start, end) in (
         ("good", tokens.good_tokens_text, tokens.good_token_logprobs, tokens.edit["good"]),
@@ -92,15 +95,16 @@ def token_view(pair, tokens) -> str:
         cells = [f'<span class="label">{label}</span>']
         for k, logprob in enumerate(logprobs):
             bits = -logprob / math.log(2)
-            shade = f"rgba(214,39,40,{min(bits / 16, 1):.2f})"
-            edit = " edit" if start <= k < end else ""
+            level = min(max(round(bits / 2), 0), 8)  # the shade class (see STYLE)
+            edit = " e" if start <= k < end else ""
             text = escape(texts[k] if k < len(texts) else str(k)) or "·"
-            cells.append(
-                f'<span class="tok{edit}" style="background:{shade}"><span class="t">{text}</span><span class="b">{bits:.1f}</span></span>'
-            )
+            cells.append(f'<i class="k s{level}{edit}">{text}<b>{bits:.1f}</b></i>')
         rows.append(f'<div class="tokens">{"".join(cells)}</div>')
     before, at, after = tokens.margin_parts()
-    note = f'<div class="meta">margin {pair.good_logprob - pair.bad_logprob:+.2f} nats: at the edit {at:+.2f}, after it {after:+.2f}, before {before:+.2f}; bits under each token</div>'
+    note = (
+        f'<div class="meta">margin {pair.good_logprob - pair.bad_logprob:+.2f} nats: at the edit {at:+.2f}, '
+        f"after it {after:+.2f}, before it {before:+.2f}; surprisal in bits under each token, the edit outlined</div>"
+    )
     return note + "".join(rows)
 
 

@@ -208,12 +208,13 @@ def test_report_with_a_model_shows_the_tokens_of_the_listed_pairs(model_dir, dem
     (_result, tokens) = score_pairs(load_model(model_dir, "cpu"), load_tokenizer(model_dir), load_benchmark(DATA), [first])[first]
     item = re.search(rf'<li data-pair="{first}">(.*?)</li>', html, re.S).group(1)
     rows = re.findall(r'<div class="tokens">(.*?)</div>', item, re.S)
-    texts = [html_module.unescape(t).replace("·", "") for t in re.findall(r'<span class="t">(.*?)</span>', rows[0])]
-    bits = re.findall(r'<span class="b">(.*?)</span>', rows[0])
+    tokens_shown = re.findall(r'<i class="k s\d( e)?">(.*?)<b>(.*?)</b></i>', rows[0])
+    texts = [html_module.unescape(text).replace("·", "") for _, text, _ in tokens_shown]
+    bits = [value for _, _, value in tokens_shown]
     assert "".join(texts) == load_benchmark(DATA).pairs[first].good
     assert bits == [f"{-lp / math.log(2):.1f}" for lp in tokens.good_token_logprobs]
     (start, end) = tokens.edit["good"]
-    assert len(re.findall(r'class="tok edit"', rows[0])) == end - start
+    assert [k for k, (edit, _, _) in enumerate(tokens_shown) if edit] == list(range(start, end))
 
 
 REPORT_SCRIPT = r"""
