@@ -26,7 +26,7 @@ from .curves import DEFAULT_THRESHOLD, acquisition_steps
 from .flips import Flips, flips, pair_sentences, sweep_flips
 from .report_charts import PALETTE, Series, heatmap, line_chart
 from .runs import Run, load_runs, read_outcomes
-from .stats import paired_tests
+from .stats import format_interval, paired_tests
 
 __all__ = ["build_report", "write_report"]
 
@@ -40,7 +40,7 @@ h3 { font-size: 15px; margin: 16px 0 4px; } .meta { color: #666; font-size: 12px
 .row { display: flex; flex-wrap: wrap; gap: 12px; } .scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: 13px; margin: 4px 0; }
 th, td { border: 1px solid #ddd; padding: 2px 7px; text-align: right; } th { background: #f4f4f4; }
-td:first-child, th:first-child { text-align: left; } .sig { color: #b00; font-weight: bold; }
+td:first-child, th:first-child, .overview td, .overview th { text-align: left; } .sig { color: #b00; font-weight: bold; }
 details { margin: 4px 0; } summary { cursor: pointer; } .pairs { font-size: 13px; margin: 2px 0 6px 18px; padding: 0; }
 .pairs li { margin: 3px 0; list-style: none; } .good { color: #17612a; } .bad { color: #a11; } .idx { color: #888; }
 .chart-title { font-size: 13px; font-weight: bold; } .tick, .legend { font-size: 11px; fill: #444; }
@@ -142,9 +142,8 @@ def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) 
     for metric in ("acc_norm", "acc"):
         flipped = flips(getattr(before, metric), getattr(after, metric))
         parts.append(_flip_block(run.label, str(first), str(last), metric, flipped, before.phenomena, sentences, details))
-    parts.append(
-        f"<details><summary>paired tests (acc_norm, acc)</summary>{_tests_table(tests, 'acc_norm')}{_tests_table(tests, 'acc')}</details>"
-    )
+    parts.append(f"<b>acc_norm, per phenomenon</b>{_tests_table(tests, 'acc_norm')}")
+    parts.append(f"<details><summary>acc, per phenomenon</summary>{_tests_table(tests, 'acc')}</details>")
     return "".join(parts)
 
 
@@ -207,10 +206,17 @@ def build_report(
     release = runs[0].record.get("benchmark", {}).get("release", "?")
     body = [f"<h1>{escape(title)}</h1>", f'<div class="meta">{escape(release)} · written {created} by tatblimp report</div>']
     overview = [
-        [run.label, str(run.path), str(len(run.records)) if run.is_sweep else "1", str(run.record.get("tokenizer", "-"))]
+        [
+            run.label,
+            f"{len(run.records)} (last: step {run.record['step']})" if run.is_sweep else "1",
+            f"{run.record['acc_norm']:.4f} {format_interval(run.record.get('acc_norm_ci'))}",
+            f"{run.record['acc']:.4f} {format_interval(run.record.get('acc_ci'))}",
+            str(run.path),
+            str(run.record.get("tokenizer", "-")),
+        ]
         for run in runs
     ]
-    body.append(_table(["run", "file", "evaluations", "tokenizer"], overview))
+    body.append(_table(["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer"], overview, "overview"))
     if sweeps:
         body.append("<h2>Overall accuracy over training</h2>")
         body.append(
@@ -228,23 +234,26 @@ def build_report(
         body.append(f'<div class="row">{"".join(charts)}</div>')
         body.append("<h2>acc_norm per phenomenon and step</h2>")
         body.append(f'<div class="meta">Outlined: the acquisition step (acc_norm reaches {threshold} and stays there).</div>')
+        maps = []
         for k, run in enumerate(sweeps):
             history = run.history
             names = list(run.record["phenomena"])
             values = {(n, e["step"]): e.get(f"tatblimp/{n}/acc_norm") for e in history for n in names}
             marks = acquisition_steps(history, threshold)
-            body.append(
-                f'<div class="scroll">{heatmap(names, [e["step"] for e in history], values, run.label, chart_id=f"heatmap-{k}", marks=marks)}</div>'
+            steps_shown = [e["step"] for e in history]
+            maps.append(
+                f'<div class="scroll">{heatmap(names, steps_shown, values, run.label, chart_id=f"heatmap-{k}", marks=marks)}</div>'
             )
+        body.append(f'<div class="row">{"".join(maps)}</div>')
     metrics, acquisition = comparison_rows(comparison)
     body.append("<h2>Side by side</h2>")
     body.append(
         '<div class="meta">Phenomena rows: acc_norm [95% interval]; *: differs from the baseline (paired test, BH-adjusted).</div>'
     )
-    body.append(_table(["metric", *[r.label for r in runs]], metrics))
+    tables = [_table(["metric", *[r.label for r in runs]], metrics)]
     if acquisition:
-        body.append(f"<h3>Acquisition step (acc_norm reaches {threshold} and stays)</h3>")
-        body.append(_table(["phenomenon", *[r.label for r in runs]], acquisition))
+        tables.append(_table([f"acquisition step (acc_norm >= {threshold} to the end)", *[r.label for r in runs]], acquisition))
+    body.append(f'<div class="row">{"".join(tables)}</div>')
     for label, tests in comparison.tests.items():
         base = comparison.baseline
         other = next(r for r in runs if r.label == label)
