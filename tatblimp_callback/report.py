@@ -40,7 +40,8 @@ h3 { font-size: 15px; margin: 16px 0 4px; } .meta { color: #666; font-size: 12px
 .row { display: flex; flex-wrap: wrap; gap: 12px; } .scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: 13px; margin: 4px 0; }
 th, td { border: 1px solid #ddd; padding: 2px 7px; text-align: right; } th { background: #f4f4f4; }
-td:first-child, th:first-child, .overview td, .overview th { text-align: left; } .sig { color: #b00; font-weight: bold; }
+td:first-child, th:first-child, .overview td, .overview th { text-align: left; }
+.overview td:nth-child(-n+4) { white-space: nowrap; } .sig { color: #b00; font-weight: bold; }
 details { margin: 4px 0; } summary { cursor: pointer; } .pairs { font-size: 13px; margin: 2px 0 6px 18px; padding: 0; }
 .pairs li { margin: 3px 0; list-style: none; } .good { color: #17612a; } .bad { color: #a11; } .idx { color: #888; }
 .chart-title { font-size: 13px; font-weight: bold; } .tick, .legend { font-size: 11px; fill: #444; }

@@ -92,10 +92,12 @@ def line_chart(
                 f'<circle class="point" cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.6" fill="{line.color}">'
                 f"<title>{escape(line.label)} step {s}: {v:.4f}</title></circle>"
             )
-    for index, line in enumerate(series):  # the legend, top right
-        lx, ly = width - right - 160, top + 8 + 15 * index
-        parts.append(f'<rect x="{lx}" y="{ly - 8}" width="10" height="10" fill="{line.color}"/>')
-        parts.append(f'<text x="{lx + 14}" y="{ly + 1}" class="legend">{escape(line.label[:26])}</text>')
+    x_legend = left + 8 + 7.5 * len(title)  # the legend, on the title's line: it never covers a curve
+    for line in series:
+        label = line.label[:30]
+        parts.append(f'<rect x="{x_legend:.0f}" y="7" width="10" height="10" fill="{line.color}"/>')
+        parts.append(f'<text x="{x_legend + 14:.0f}" y="16" class="legend">{escape(label)}</text>')
+        x_legend += 24 + 6.5 * len(label)
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -123,8 +125,9 @@ def heatmap(
 
     ``marks``: per row, a step whose cell gets a black outline (the acquisition step).
     """
-    label_width, cell_w, cell_h, top = 210, max(34, min(60, 760 // max(len(steps), 1))), 20, 30
-    width, height = label_width + cell_w * len(steps) + 8, top + cell_h * len(rows) + 30
+    label_width, cell_w, cell_h, top = 210, max(34, min(90, 760 // max(len(steps), 1))), 20, 30
+    marks_width = 110 if marks is not None else 0
+    width, height = label_width + cell_w * len(steps) + marks_width + 8, top + cell_h * len(rows) + 30
     parts = [
         f'<svg class="heatmap" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
         f'role="img" aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg">',
@@ -135,9 +138,15 @@ def heatmap(
             f'<text x="{label_width + cell_w * (column + 0.5):.1f}" y="{height - 12}" class="tick" '
             f'text-anchor="middle">{step}</text>'
         )
+    parts.append(f'<text x="{label_width - 6}" y="{height - 12}" class="tick" text-anchor="end">step</text>')
+    if marks is not None:
+        parts.append(f'<text x="{label_width + cell_w * len(steps) + 8}" y="{top - 6}" class="tick">acquired at</text>')
     for row, name in enumerate(rows):
         y = top + cell_h * row
         parts.append(f'<text x="{label_width - 6}" y="{y + 14}" class="tick" text-anchor="end">{escape(name)}</text>')
+        if marks is not None:
+            acquired = "never" if marks.get(name) is None else f"step {marks[name]}"
+            parts.append(f'<text x="{label_width + cell_w * len(steps) + 8}" y="{y + 14}" class="tick">{acquired}</text>')
         for column, step in enumerate(steps):
             value = values.get((name, step))
             x = label_width + cell_w * column
