@@ -128,3 +128,15 @@ def test_pair_tokens_checks_the_number_of_sentences(cache):
     with pytest.raises(ValueError, match="token lists for 96 sentences"):
         pair_tokens(cache, [[0.0]] * 3)
     assert edit_margins([], [])["edit_share"] is None
+
+
+def test_token_texts_of_a_raw_sentencepiece_model(records):
+    from conftest import SPM_MODEL
+    from tatblimp_callback import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(SPM_MODEL)
+    for pair in records[:20]:
+        ids = tokenizer.encode_batch([pair["good"]])[0]
+        pieces = token_texts(tokenizer, ids)
+        assert len(pieces) == len(ids) and "".join(pieces) == pair["good"]
+        assert pieces[1:] == [tokenizer.processor.id_to_piece(i).replace("▁", " ") for i in ids[1:]]
