@@ -131,12 +131,12 @@ def _tests_table(tests, metric: str) -> str:
 
 def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) -> str:
     """Paired tests and flips of one sweep between two of its steps (default: first and last)."""
-    available = [r["step"] for r in run.records]
+    available = [r["step"] for r in run.records_up_to_step]
     first, last = steps or (available[0], available[-1])
     for step in (first, last):
         if step not in available:
             raise ValueError(f"{run.path}: no step {step} (steps: {', '.join(map(str, available))})")
-    at = {r["step"]: r for r in run.records}  # the last record of a step scored twice
+    at = {r["step"]: r for r in run.records_up_to_step}  # the last record of a step scored twice
     before, after = (read_outcomes(at[s], f"{run.path} at step {s}") for s in (first, last))
     tests = paired_tests(before, after)
     parts = [f"<h3>{escape(run.label)}: step {first} against step {last}</h3>"]
@@ -149,7 +149,7 @@ def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) 
 
 
 def _never_and_unstable(run: Run, sentences, details) -> str:
-    outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records]
+    outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records_up_to_step]
     found = sweep_flips(outcomes)
     phenomena = outcomes[0].phenomena
     never = sum(len(f.never_learned) for f in found.values())
@@ -173,11 +173,15 @@ def report_pairs(runs: Sequence[Run], steps: tuple[int, int] | None = None) -> l
     run = runs[0]
     if not run.is_sweep:
         return []
-    at = {r["step"]: r for r in run.records}
-    first, last = steps or (run.records[0]["step"], run.records[-1]["step"])
+    at = {r["step"]: r for r in run.records_up_to_step}
+    first, last = steps or (min(at), max(at))
     before, after = (read_outcomes(at[s], str(run.path)) for s in (first, last))
     flipped = flips(before.acc_norm, after.acc_norm)
-    never = [i for f in sweep_flips([read_outcomes(r, str(run.path)) for r in run.records]).values() for i in f.never_learned]
+    never = [
+        i
+        for f in sweep_flips([read_outcomes(r, str(run.path)) for r in run.records_up_to_step]).values()
+        for i in f.never_learned
+    ]
     return sorted({*flipped.lost, *flipped.learned, *never})
 
 
@@ -209,7 +213,7 @@ def build_report(
     overview = [
         [
             run.label,
-            f"{len(run.records)} (last: step {run.record['step']})" if run.is_sweep else "1",
+            f"{len(run.records_up_to_step)} (last: step {run.record['step']})" if run.is_sweep else "1",
             f"{run.record['acc_norm']:.4f} {format_interval(run.record.get('acc_norm_ci'))}",
             f"{run.record['acc']:.4f} {format_interval(run.record.get('acc_ci'))}",
             str(run.path),

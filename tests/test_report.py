@@ -67,6 +67,12 @@ def test_report_of_several_runs_tests_each_against_the_baseline(demo_records):
         before["outcomes"]["acc_norm"], demo_records[-1]["outcomes"]["acc_norm"]
     )
     assert "demo_history against demo_history@" in html
+    # The run picked at a step is followed up to that step only: its flips run from the first step to it.
+    picked = re.search(rf'<div class="flips" data-run="demo_history@{middle}" data-from="(\d+)" data-to="(\d+)"', html)
+    assert picked.groups() == (str(demo_records[0]["step"]), str(middle))
+    assert page_counts(html, f"demo_history@{middle}", "acc_norm") == flip_counts(
+        demo_records[0]["outcomes"]["acc_norm"], before["outcomes"]["acc_norm"]
+    )
     assert html.count('class="heatmap"') == 2
 
 
