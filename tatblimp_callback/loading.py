@@ -2,7 +2,8 @@
 
 Shared by the commands that load a model (``tatblimp score`` and ``tatblimp sweep``), with the
 options they have in common. A name that is not an existing folder or file is taken as a Hub id
-only if it can be one; ``/data/my-model`` that does not exist is "no such folder", not a Hub error.
+only if it can be one; ``/data/my-model``, ``./x``, ``a/b/c`` that do not exist, and ``runs/nope`` where
+``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
 from .tokenization import SentencePieceTokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -43,6 +45,9 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
         return path
     if path.exists():
         raise FileNotFoundError(f"{name}: a file, not a {what} folder")
+    first = Path(path.parts[0]) if len(path.parts) > 1 and not path.is_absolute() and path.parts[0] != ".." else None
+    if first is not None and first.is_dir():  # runs/nope next to a folder runs/: a mistyped path, not a Hub id
+        raise FileNotFoundError(f"{name}: no such {what} folder (not taken as a Hub id: {first} is a local folder)")
     try:
         validate_repo_id(str(name))
     except HFValidationError:
@@ -51,7 +56,8 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
 
 
 def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32"):
-    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``.
+    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``; a
+    folder with a PEFT adapter only (``adapters``) is loaded on its base model as a ``PeftModel``.
 
     ``device`` None: cuda if available, else cpu. ``dtype``: one of ``DTYPES``.
     """
@@ -59,12 +65,46 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
     from transformers import AutoModelForCausalLM
 
     folder = check_folder_or_hub_id(name_or_path, "model")
-    if folder is not None and not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype)
+    if folder is not None and is_adapter_folder(folder):  # a LoRA checkpoint: loaded on its base model
+        return load_adapter_model(folder, torch_dtype).to(device).eval()
+    if folder is not None and not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
+    if folder is not None:
+        from .model_checks import check_causal_config
+
+        check_causal_config(folder)
+    try:
+        model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype)
+    except Exception as err:
+        damaged = damaged_weight_file(folder) if folder is not None else None
+        if damaged is None:
+            raise
+        raise OSError(f"{damaged[0]}: cannot be read, the weights file is damaged or incomplete ({damaged[1]})") from err
     return model.to(device).eval()
+
+
+def damaged_weight_file(folder: Path) -> tuple[Path, str] | None:
+    """The first weights file of ``folder`` that cannot be opened, and why; None when every one opens.
+
+    Reads headers only (safetensors) or maps the file (torch ``.bin``), so it is cheap next to a load.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(os.fspath(path), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:
+            return path, str(err).splitlines()[0] if str(err) else type(err).__name__
+    for path in sorted(folder.glob("*.bin")):
+        try:
+            torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:
+            return path, str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
 
 
 def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
@@ -111,6 +151,9 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str:
     if tokenizer is not None:
         return tokenizer
     if model_folder is not None and not has_tokenizer_files(model_folder):
+        base = adapter_base_model(model_folder) if is_adapter_folder(model_folder) else None
+        if base is not None and (not Path(base).is_dir() or has_tokenizer_files(base)):
+            return base  # a PEFT adapter saved without its tokenizer: its base model's
         raise FileNotFoundError(
             f"the model folder {model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
             "pass --tokenizer with a tokenizer folder, a Hub id or a SentencePiece .model file"

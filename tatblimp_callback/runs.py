@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .jsonl import split_lines
 from .stats import Outcomes
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
@@ -108,7 +109,7 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
 
 def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -125,6 +126,11 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
 
 
 def _check_record(record: Any, where: str) -> None:
+    if isinstance(record, dict) and record.get("protocol") == "forced-choice":
+        raise CompareError(
+            f"{where}: a forced-choice result (score --protocol forced-choice); compare takes log-prob results "
+            "(score --output without --protocol, sweep and callback history lines)"
+        )
     if not isinstance(record, dict) or not {"acc", "acc_norm", "phenomena"} <= record.keys():
         raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
 

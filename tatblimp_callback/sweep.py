@@ -21,9 +21,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights
+from .adapters import adapter_base_model, is_adapter_folder
+from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from .jsonl import read_complete_lines
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
+from .outputs import say
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_complete_lines(path), start=1):
         if not line.strip():
             continue
         try:
@@ -203,7 +206,8 @@ def _quiet_transformers():
 
 
 def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:
-    for folder in (checkpoint, run_dir):
+    base = adapter_base_model(checkpoint) if is_adapter_folder(checkpoint) else None  # a PEFT adapter's base model
+    for folder in (checkpoint, run_dir, *([Path(base)] if base and Path(base).is_dir() else [])):
         if any((folder / name).is_file() for name in TOKENIZER_FILES):
             return str(folder)
     raise SweepError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer")
@@ -252,8 +256,14 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     options = options or SweepOptions()
     if options.acquisition not in ("estimate", "lower-bound"):
         raise ValueError(f"acquisition must be 'estimate' or 'lower-bound', got {options.acquisition!r}")
+    if options.max_wait is not None and not options.watch:
+        raise ValueError(
+            "max_wait (--max-wait) needs watch (--watch): without it the sweep ends once the checkpoints there are scored"
+        )
     run_dir = Path(run_dir)
-    find_checkpoints(run_dir)  # fails early on a missing folder or a step claimed twice
+    # Fails early on a missing folder or a step claimed twice; and on a folder without checkpoints, unless watching for them.
+    if not find_checkpoints(run_dir) and not options.watch:
+        raise SweepError(no_checkpoints_message(run_dir))
     results_path = run_dir / RESULTS_FILE
     records = read_records(results_path)
     done = {record["checkpoint"] for record in records}
@@ -353,7 +363,9 @@ def add_sweep_parser(commands) -> None:
 def run_sweep(args: argparse.Namespace) -> None:
     options = SweepOptions(**{f.name: getattr(args, f.name) for f in fields(SweepOptions) if hasattr(args, f.name)})
     report = sweep(args.run_dir, options)
-    print(
+    if not report.records and not report.incomplete and not report.vanished:  # --watch ended and none ever came
+        raise SweepError(no_checkpoints_message(args.run_dir))
+    say(
         f"{len(report.scored)} checkpoint(s) scored, {len(report.skipped)} already in {report.results_path}"
         + (f", {len(report.incomplete)} not complete" if report.incomplete else "")
         + (f", {len(report.vanished)} deleted before scoring" if report.vanished else "")
@@ -362,6 +374,6 @@ def run_sweep(args: argparse.Namespace) -> None:
     if report.acquisition:
         width = max(len(name) for name in report.acquisition)
         what = "acc_norm" if options.acquisition == "estimate" else "acc_norm's 95% lower bound"
-        print(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
+        say(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
         for name, step in report.acquisition.items():
-            print(f"  {name:<{width}}  {step if step is not None else '-'}")
+            say(f"  {name:<{width}}  {step if step is not None else 'never'}")

@@ -130,11 +130,12 @@ def test_compare_at_a_step_uses_the_history_up_to_that_step(records, tmp_path, c
     svg = plot.read_text(encoding="utf-8")
     panels = 1 + len(records[0]["phenomena"])
 
-    def points(label: str, panel: str) -> int:  # the vertices of a curve's line (its <g id="curve:...">)
-        group = re.search(rf'<g id="curve:{re.escape(label)}:{panel}">\s*<path d="([^"]*)"', svg)
+    def points(label: str, key: str) -> int:  # the vertices of a curve's line (its <g id="curve:LABEL:KEY">)
+        group = re.search(rf'<g id="curve:{re.escape(label)}:{re.escape(key)}">\s*<path d="([^"]*)"', svg)
         return len(re.findall(r"[ML] ", group.group(1)))
 
-    for panel in ["overall", *records[0]["phenomena"]]:
-        assert points(f"demo_history@{middle}", panel) == len(run.history)
-        assert points("demo_history", panel) == len(full.history)
+    keys = ["tatblimp/acc_norm", *(f"tatblimp/{name}/acc_norm" for name in records[0]["phenomena"])]
+    for key in keys:
+        assert points(f"demo_history@{middle}", key) == len(run.history)
+        assert points("demo_history", key) == len(full.history)
     assert len(records[0]["phenomena"]) + 1 == panels
