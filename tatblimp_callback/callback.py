@@ -323,7 +323,7 @@ class TatBLiMPCallback(TrainerCallback):
         if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
             from .report import report_at_end_of_training
 
-            output = os.path.join(args.output_dir or "", self.report_file)
+            output = callback_options.under_output_dir(self.report_file, args.output_dir)
             self._guarded(
                 report_at_end_of_training, self._history_file.path, output, f"{self.log_prefix}/report" if wandb else None
             )
