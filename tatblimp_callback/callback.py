@@ -117,6 +117,11 @@ class TatBLiMPCallback(TrainerCallback):
     """Write each evaluation as a JSON line here (relative to ``output_dir``; main process only), the
     record of a ``tatblimp sweep`` line without "checkpoint": ``tatblimp compare`` reads it. None: no file."""
 
+    report_file: str | os.PathLike | None = None
+    """At the end of training, write this run's HTML report (``tatblimp report`` of ``history_file``) here,
+    relative to ``output_dir`` (main process only), and log it to wandb as an HTML panel, ``<prefix>/report``.
+    Needs ``history_file``. None (default): no report."""
+
     acquisition_threshold: float = DEFAULT_THRESHOLD
     """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
 
@@ -150,6 +155,8 @@ class TatBLiMPCallback(TrainerCallback):
         self._every = callback_options.check_eval_steps(self.eval_steps)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
+        if self.report_file is not None and self.history_file is None:
+            raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
@@ -351,6 +358,13 @@ class TatBLiMPCallback(TrainerCallback):
         wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
             self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
+        if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
+            from .report import report_at_end_of_training
+
+            output = callback_options.under_output_dir(self.report_file, args.output_dir)
+            self._guarded(
+                report_at_end_of_training, self._history_file.path, output, f"{self.log_prefix}/report" if wandb else None
+            )
 
     # -- scoring and logging --------------------------------------------------------------------
 

@@ -5,6 +5,8 @@
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
     tatblimp compare RESULTS... [--markdown out.md] [--plot out.png]      (see compare.py)
+    tatblimp explain MODEL_DIR --pair N | --phenomenon NAME --worst K     (see explain.py)
+    tatblimp report RESULTS... --output report.html [--model MODEL_DIR]   (see report.py)
 
 A failure exits with status 1 and a one-line message on stderr, not a traceback. Everything that can be
 checked without the model (paths, options) is checked before it loads; output files are written before the
@@ -21,8 +23,10 @@ from pathlib import Path
 
 from . import __version__
 from .compare import add_compare_parser
+from .explain import add_explain_parser
 from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
 from .outputs import check_output_file, say, silence_stdout, write_text
+from .report import add_report_parser
 from .sweep import add_sweep_parser
 
 VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
@@ -44,11 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
     )
     score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument(
+        "--include-tokens",
+        action="store_true",
+        help="add each pair's token log-probs, token texts and edit span to pairs[i] of --output (see diagnostics docs)",
+    )
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
     add_sweep_parser(commands)
     add_compare_parser(commands)
+    add_explain_parser(commands)
+    add_report_parser(commands)
     for command in commands.choices.values():  # -v after the command too; SUPPRESS keeps a -v given before it
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
@@ -76,6 +87,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         allow_modified=args.allow_modified,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
+        include_tokens=getattr(args, "include_tokens", False),
     )
     if mismatches is not None:
         results.run_info["sentencepiece_mismatches"] = mismatches
@@ -104,6 +116,10 @@ def run_score(args: argparse.Namespace) -> None:
     results = evaluate_from_args(args, args.model)
     results.run_info["model"] = args.model
     report(results, args.output)
+    if results.pair_tokens is not None:
+        from .token_results import edit_margins, format_edit_margins
+
+        say(format_edit_margins(edit_margins(results.pair_tokens, [p.phenomenon for p in results.pairs])))
 
 
 def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,8 +23,9 @@ from typing import Any
 
 from .checkpoints import step_of
 from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
+from .flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from .outputs import check_output_file, say, write_text
-from .runs import CompareError, Run, load_run, load_runs
+from .runs import CompareError, Run, load_run, load_runs, read_outcomes
 from .stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 
 __all__ = [
@@ -112,12 +113,44 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
         }
         for run in comparison.runs
     ]
-    paired = [
-        {"baseline": comparison.baseline.label, "run": label, **asdict(test)}
-        for label, tests in comparison.tests.items()
-        for test in tests
-    ]
+    paired = []
+    by_label = {run.label: run for run in comparison.runs}
+    groups = comparison.baseline.outcomes.groups() if comparison.tests else {}
+    for label, tests in comparison.tests.items():
+        for test in tests:
+            a, b = getattr(comparison.baseline.outcomes, test.metric), getattr(by_label[label].outcomes, test.metric)
+            flipped = flips(a, b, None if test.group == "overall" else groups[test.group])
+            paired.append(
+                {
+                    "baseline": comparison.baseline.label,
+                    "run": label,
+                    **asdict(test),
+                    "baseline_only_pairs": flipped.lost,
+                    "run_only_pairs": flipped.learned,
+                }
+            )
     return {"runs": runs, "paired": paired}
+
+
+def format_flips_text(comparison: Comparison, data: str | None = None) -> str:
+    """``--flips``: for each run against the baseline and each metric, the lost and learned pairs with their
+    sentences; for each sweep, per phenomenon, the pairs never learned and the unstable ones (acc_norm)."""
+    if not comparison.tests:
+        raise CompareError("--flips compares pair by pair: give at least two results, without --no-paired")
+    base = comparison.baseline
+    sentences = pair_sentences(base.record, data)
+    lines = []
+    for run in comparison.runs:
+        if run is base:
+            continue
+        for metric in METRICS:
+            flipped = flips(getattr(base.outcomes, metric), getattr(run.outcomes, metric))
+            lines += ["", *format_flips(flipped, base.outcomes.phenomena, sentences, base.label, run.label, metric)]
+    for run in comparison.runs:
+        if run.is_sweep and len(run.history) > 1:
+            outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records_up_to_step]
+            lines += ["", *format_sweep_flips(run.label, sweep_flips(outcomes), "acc_norm")]
+    return "\n".join(lines).lstrip("\n")
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -313,6 +346,12 @@ def add_compare_parser(commands) -> None:
     parser.add_argument("--json", help="write the runs and every paired test as JSON here")
     parser.add_argument("--markdown", help="also write the tables as Markdown here")
     parser.add_argument("--plot", help="draw the sweeps' curves with 95%% bands to this image (needs matplotlib)")
+    parser.add_argument(
+        "--flips",
+        action="store_true",
+        help="list the pairs each run lost and learned against the baseline, and each sweep's never-learned and unstable pairs",
+    )
+    parser.add_argument("--data", help="the benchmark file, for the sentences of --flips (default: the one the results name)")
     add_acquisition_arguments(parser)
     parser.set_defaults(run=run_compare)
 
@@ -324,6 +363,7 @@ def run_compare(args: argparse.Namespace) -> None:
         require_matplotlib()  # before the work, not after the tables
     runs = load_runs(args.results, step=args.step)
     comparison = compare_runs(runs, args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound")
+    flipped = format_flips_text(comparison, args.data) if args.flips else None  # its errors before any output
     # The files first: a reader that closes stdout early (| head) must not cost them.
     written = []
     for option, write in (
@@ -337,5 +377,7 @@ def run_compare(args: argparse.Namespace) -> None:
         plot_comparison(runs, args.plot, args.threshold)
         written.append(args.plot)
     say(format_text(comparison))
+    if flipped is not None:
+        say("\n" + flipped)
     for path in written:
         say(f"wrote {path}")

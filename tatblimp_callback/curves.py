@@ -215,7 +215,7 @@ def _draw_run(axis, label: str, history: Sequence[Mapping[str, Any]], key: str, 
             error = [[values[0] - band[0][1]], [band[0][2] - values[0]]]
         axis.errorbar(steps, values, yerr=error, color=color, marker="D", markersize=5, capsize=2, linewidth=1, label=label)
         return
-    axis.plot(steps, values, color=color, marker="o", markersize=2.5, linewidth=1.2, label=label)
+    axis.plot(steps, values, color=color, marker="o", markersize=2.5, linewidth=1.2, label=label, gid=f"curve:{label}:{key}")
     if band:
         band_steps, lows, highs = zip(*band)
         axis.fill_between(band_steps, lows, highs, color=color, alpha=0.2, linewidth=0)

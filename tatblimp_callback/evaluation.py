@@ -16,6 +16,7 @@ from .metrics import Results, compute_results
 from .model_checks import weights_label
 from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
+from .token_results import pair_tokens
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -50,6 +51,8 @@ class Evaluator:
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.
         cache_path: a safetensors file to load the cache from, or to save it to once built.
+        include_tokens: also give each pair's token log-probs, token texts and edit span
+            (``Results.pair_tokens``, see ``token_results``); the texts need ``tokenizer``.
 
     Raises:
         ValueError: neither ``tokenizer`` nor ``cache`` is given.
@@ -67,6 +70,7 @@ class Evaluator:
         truncate: bool = False,
         method: ScoringMethod | str | None = None,
         cache_path: str | os.PathLike | None = None,
+        include_tokens: bool = False,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
@@ -79,6 +83,7 @@ class Evaluator:
         self.truncate = truncate
         self.method = method
         self.cache_path = cache_path
+        self.include_tokens = include_tokens
         self._scorer: Scorer | None = None
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
@@ -120,7 +125,10 @@ class Evaluator:
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
         logprobs, run_info = timed_score(scorer)
-        return compute_results(scorer.cache, logprobs, run_info)
+        results = compute_results(scorer.cache, logprobs, run_info)
+        if self.include_tokens:
+            results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
+        return results
 
 
 def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:
@@ -179,7 +187,7 @@ def evaluate(
         data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
-            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``).
+            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``).
 
     Returns:
         The metrics overall, per phenomenon and subtype, and per pair.

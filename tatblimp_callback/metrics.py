@@ -22,6 +22,7 @@ import numpy as np
 
 from .cache import SentenceCache
 from .stats import encode_outcomes, format_interval, run_lengths, wilson_interval
+from .token_results import add_token_fields
 
 
 @dataclass
@@ -124,6 +125,8 @@ class Results:
     truncated_sentences: int = 0
     selection: str | None = None  # which pairs were scored when not all (--limit, --phenomena); None: all
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
+    # Per-pair token log-probs, texts and edit spans (``token_results.PairTokens``), when asked for.
+    pair_tokens: list[Any] | None = None
 
     @property
     def acc(self) -> float:
@@ -165,8 +168,8 @@ class Results:
         return -sum(p.good_logprob for p in finite) / math.log(2) / max(sum(p.good_bytes for p in finite), 1)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON written by ``tatblimp score --output``."""
-        return {
+        """The JSON written by ``tatblimp score --output`` (with ``pair_tokens``: their fields in ``pairs[i]``)."""
+        record = {
             "acc": self.acc,
             "acc_norm": self.acc_norm,
             "acc_ci": list(self.acc_ci),
@@ -192,6 +195,7 @@ class Results:
             "pairs": [{**asdict(pair), "passed": pair.passed, "passed_norm": pair.passed_norm} for pair in self.pairs],
             **self.run_info,
         }
+        return record if self.pair_tokens is None else add_token_fields(record, self.pair_tokens)
 
     def outcomes(self) -> dict[str, Any]:
         """Every pair's outcome, compactly: ``acc`` and ``acc_norm`` are strings with one character per pair
