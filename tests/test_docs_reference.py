@@ -46,3 +46,15 @@ def test_every_subcommand_and_option_is_in_its_section():
             if action.help:  # as --help prints it (%(default)s and %% expanded)
                 expanded = parser._get_formatter()._expand_help(action)
                 assert html.escape(expanded, quote=False) in sections[name], f"{name}: the help of {option}"
+
+
+def test_the_long_run_guide_names_every_option_of_the_callback():
+    import dataclasses
+
+    from tatblimp_callback import TatBLiMPCallback
+
+    page = (REPO / "docs" / "guides" / "long-runs.md").read_text(encoding="utf-8")
+    options = page[page.index("## Options") : page.index("## What the callback guarantees")]
+    fields = [field.name for field in dataclasses.fields(TatBLiMPCallback) if field.init]
+    assert len(fields) >= 20
+    assert [name for name in fields if f"`{name}`" not in options] == []
