@@ -5,6 +5,8 @@
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
     tatblimp compare RESULTS... [--markdown out.md] [--plot out.png]      (see compare.py)
+    torchrun --nproc-per-node N -m tatblimp_callback sweep RUN_DIR        (checkpoints shared out: sweep_processes.py)
+    torchrun --nproc-per-node N -m tatblimp_callback score MODEL --tp-plan auto
 
 A failure exits with status 1 and a one-line message on stderr, not a traceback.
 """
@@ -14,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
+from . import distributed
 from .compare import add_compare_parser
 from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
+from .placement import placement_options
 from .sweep import add_sweep_parser
 
 
@@ -31,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("model", nargs="?", help="a folder saved with save_pretrained, or a Hub model id (not with --endpoint)")
     add_model_arguments(score)
     score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument("--revision", help="a Hub model's branch, tag or commit (default: main)")
+    score.add_argument(
+        "--tp-plan",
+        choices=("auto",),
+        help="under torchrun: split each layer over the processes (transformers' tensor parallelism); process 0 writes",
+    )
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
@@ -46,8 +57,10 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     from .tokenization import check_sentencepiece_mismatch
 
     source = tokenizer_source(model_dir, args.tokenizer)
-    tokenizer = load_tokenizer(source)
-    model = load_model(model_dir, args.device, args.dtype)
+    placement = placement_options(args)
+    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
+    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
+    model = load_model(model_dir, args.device, args.dtype, **placement)
     benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
@@ -73,12 +86,16 @@ def write_json(path: str, payload) -> None:
 
 
 def run_score(args: argparse.Namespace) -> None:
+    if args.endpoint is None and args.protocol == "forced-choice" and not args.model:
+        args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
     if args.endpoint or args.protocol == "forced-choice":
         return run_forced_choice(args)
     if not args.model:
         raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
     results = evaluate_from_args(args, args.model)
     results.run_info["model"] = args.model
+    if args.tp_plan and distributed.world()[0] != 0:
+        return  # every process scored the same rows; process 0 reports
     print(results.format_table())
     if args.output:
         write_json(args.output, results.to_dict())
@@ -100,7 +117,12 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
         help="UTF-8 file with the user message, {a} and {b} for the sentences (default: forced_choice.DEFAULT_PROMPT)",
     )
     group.add_argument("--system-prompt", help="a system message before each prompt (default: none)")
-    group.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    group.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://localhost:8000/v1 (default with --protocol forced-choice "
+        "and no model folder: $OPENAI_BASE_URL)",
+    )
     group.add_argument("--model-name", help="the model field of each endpoint request")
     group.add_argument(
         "--api-key-env",
@@ -119,8 +141,6 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_forced_choice(args: argparse.Namespace) -> None:
     """``tatblimp score --protocol forced-choice``: a local chat model, or an endpoint with ``--endpoint``."""
-    import os
-
     from .forced_choice import DEFAULT_PROMPT, check_prompt
 
     if args.protocol != "forced-choice":
@@ -160,8 +180,11 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
-        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
-        model = load_model(args.model, args.device, args.dtype)
+        source = tokenizer_source(args.model, args.tokenizer)
+        placement = placement_options(args)
+        hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
+        tokenizer = load_tokenizer(source, **(hub_options if source == args.model else {}))
+        model = load_model(args.model, args.device, args.dtype, **placement)
         results = evaluate_forced_choice(
             model,
             tokenizer,

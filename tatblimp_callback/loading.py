@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .placement import add_placement_arguments
 from .tokenization import SentencePieceTokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -28,6 +29,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
     parser.add_argument("--memory-budget-mb", type=int, help="extra memory one evaluation may use")
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
+    add_placement_arguments(parser)
 
 
 def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
@@ -50,27 +52,43 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
     return None
 
 
-def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32"):
+def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32", **placement):
     """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``.
 
-    ``device`` None: cuda if available, else cpu. ``dtype``: one of ``DTYPES``.
+    Args:
+        name_or_path: the model's folder or Hub id.
+        device: None: cuda if available, else cpu. Not used with ``device_map`` or ``tp_plan``, which
+            place the weights themselves.
+        dtype: one of ``DTYPES``.
+        **placement: ``device_map``, ``max_memory``, ``offload_folder``, ``tp_plan``, ``trust_remote_code``,
+            ``revision``, ``attn_implementation`` (``placement.from_pretrained_options``).
+
+    Raises:
+        FileNotFoundError: a folder that does not exist or holds no ``config.json``.
+        OSError: a Hub id that cannot be loaded.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .placement import from_pretrained_options
+
     folder = check_folder_or_hub_id(name_or_path, "model")
     if folder is not None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    options = from_pretrained_options(**placement)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype)
+    model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype, **options)
+    if "device_map" in options or "distributed_config" in options:
+        return model.eval()  # placed by accelerate's dispatch or by the tensor-parallel plan
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval()
 
 
-def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
+def load_tokenizer(name_or_path: str | os.PathLike, **hub_options) -> Any:
     """A raw ``SentencePieceTokenizer`` for a ``.model`` file, else ``AutoTokenizer.from_pretrained``.
 
     The tokenizer's ``name_or_path`` is ``name_or_path`` as given, so results name the tokenizer used.
+    ``hub_options`` (``revision``, ``trust_remote_code``) go to ``AutoTokenizer.from_pretrained``.
     """
     path = Path(name_or_path)
     if path.is_file() and path.suffix == ".model":
@@ -84,7 +102,8 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
-    tokenizer = _from_folder_or_hub(AutoTokenizer.from_pretrained, name_or_path, folder)
+    hub_options = {key: value for key, value in hub_options.items() if value}
+    tokenizer = _from_folder_or_hub(AutoTokenizer.from_pretrained, name_or_path, folder, **hub_options)
     tokenizer.name_or_path = str(name_or_path)
     return tokenizer
 
