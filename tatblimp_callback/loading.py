@@ -77,7 +77,15 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
     options = from_pretrained_options(**placement)
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype, **options)
+    try:
+        model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype, **options)
+    except ValueError as err:
+        if "custom code" not in str(err) or options["trust_remote_code"]:
+            raise
+        raise ValueError(
+            f"{name_or_path}: the model's architecture is Python code in its folder or repository; read it, then pass "
+            "--trust-remote-code (trust_remote_code=True) to run it"
+        ) from err
     if "device_map" in options or "distributed_config" in options:
         return model.eval()  # placed by accelerate's dispatch or by the tensor-parallel plan
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -44,15 +44,16 @@ def model_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def assert_same_logprobs(results, expected) -> None:
-    """Each sentence's log-prob equals the plain model's within the scoring engine's float32 allowance."""
-    got, want = results.to_dict()["pairs"], expected.to_dict()["pairs"]
+def assert_same_logprobs(payload: dict, expected) -> None:
+    """Each sentence's log-prob in ``payload`` (a results dict) equals the plain model's within the scoring engine's
+    float32 allowance."""
+    got, want = payload["pairs"], expected.to_dict()["pairs"]
     for side in ("good", "bad"):
         values = torch.tensor([p[f"{side}_logprob"] for p in got], dtype=torch.float64)
         reference = torch.tensor([p[f"{side}_logprob"] for p in want], dtype=torch.float64)
         tokens = torch.tensor([p[f"{side}_tokens"] for p in want], dtype=torch.float64)
         assert agree(values, reference, tokens, relative_tolerance(torch.float32, torch.device("cpu"))), side
-    assert results.acc_norm == expected.acc_norm and results.acc == expected.acc
+    assert payload["acc_norm"] == expected.acc_norm and payload["acc"] == expected.acc
 
 
 def test_split_between_cpu_and_disk_scores_as_the_plain_model(
@@ -73,7 +74,7 @@ def test_split_between_cpu_and_disk_scores_as_the_plain_model(
     assert model.lm_head.weight.is_meta  # the head lives on disk: only its hook can load it
 
     results = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
-    assert_same_logprobs(results, plain_results)
+    assert_same_logprobs(results.to_dict(), plain_results)
     # The method check ran through accelerate's hooks; the head is the model's own (full logits).
     assert results.run_info["scoring_method"].endswith("full logits")
 
@@ -90,7 +91,7 @@ def test_head_on_the_cpu_and_layers_on_disk(bin_model_dir, plain_results, bpe_to
     model = load_model(bin_model_dir, device_map=device_map, offload_folder=str(tmp_path / "offload"))
     assert not model.lm_head.weight.is_meta and model.model.layers[1].mlp.up_proj.weight.is_meta
     results = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
-    assert_same_logprobs(results, plain_results)
+    assert_same_logprobs(results.to_dict(), plain_results)
 
 
 def test_cli_score_with_a_device_map(bin_model_dir, plain, plain_results, small_data, tmp_path, capsys):
@@ -99,11 +100,7 @@ def test_cli_score_with_a_device_map(bin_model_dir, plain, plain_results, small_
     command = ["score", str(bin_model_dir), "--data", str(small_data), "--allow-modified", "--output", str(out)]
     assert main([*command, "--device-map", "auto", "--max-memory", budget, "--offload-folder", str(offload)]) == 0
     assert any(offload.iterdir())
-    payload = json.loads(out.read_text(encoding="utf-8"))
-    assert payload["acc_norm"] == plain_results.acc_norm
-    assert [p["good_logprob"] for p in payload["pairs"]] == pytest.approx(
-        [p["good_logprob"] for p in plain_results.to_dict()["pairs"]], rel=1e-5
-    )
+    assert_same_logprobs(json.loads(out.read_text(encoding="utf-8")), plain_results)
     capsys.readouterr()
 
 
@@ -124,3 +121,24 @@ def test_placement_options_that_do_not_go_together(bin_model_dir, small_data, ex
         code = exit.code
     assert code != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tensor_parallel_under_torchrun_on_the_cpu(plain, plain_results, bpe_tokenizer, small_data, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plain.save_pretrained(tmp_path / "model")
+    bpe_tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "tp.json"
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "tatblimp_callback"]
+    command += ["score", str(tmp_path / "model"), "--tp-plan", "auto", "--data", str(small_data), "--allow-modified"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([*command, "--output", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(f"wrote {out}") == 1  # process 0 writes; both scored every row
+    payload = json.loads(out.read_text(encoding="utf-8"))
+    assert payload["scoring_method"].endswith("full logits")  # a sharded head: the model's own forward
+    assert_same_logprobs(payload, plain_results)
