@@ -50,17 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_from_args(args: argparse.Namespace, model_dir: str):
+    """(tokenizer source, tokenizer, model) for ``model_dir`` with the loader options in ``args``.
+
+    ``--revision`` and ``--trust-remote-code`` apply to the tokenizer too when it comes from the model.
+    """
+    source = tokenizer_source(model_dir, args.tokenizer)
+    placement = placement_options(args)
+    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
+    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
+    return source, tokenizer, load_model(model_dir, args.device, args.dtype, **placement)
+
+
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
     from .data import load_benchmark
     from .evaluation import evaluate
     from .tokenization import check_sentencepiece_mismatch
 
-    source = tokenizer_source(model_dir, args.tokenizer)
-    placement = placement_options(args)
-    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
-    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
-    model = load_model(model_dir, args.device, args.dtype, **placement)
+    source, tokenizer, model = load_from_args(args, model_dir)
     benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
@@ -180,11 +188,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
-        source = tokenizer_source(args.model, args.tokenizer)
-        placement = placement_options(args)
-        hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
-        tokenizer = load_tokenizer(source, **(hub_options if source == args.model else {}))
-        model = load_model(args.model, args.device, args.dtype, **placement)
+        _, tokenizer, model = load_from_args(args, args.model)
         results = evaluate_forced_choice(
             model,
             tokenizer,

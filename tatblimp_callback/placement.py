@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
@@ -73,6 +74,10 @@ def placement_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--max-memory and --offload-folder need --device-map")
     if device_map is not None and getattr(args, "device", None):
         raise ValueError(f"give either --device {args.device} or --device-map {device_map}, not both")
+    if tp_plan is not None and "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            "--tp-plan splits each layer over processes: start them with torchrun --nproc-per-node N -m tatblimp_callback"
+        )
     if tp_plan is not None and device_map is not None:
         raise ValueError("--tp-plan and --device-map do not go together: tensor parallelism puts one shard on each process")
     return {

@@ -111,6 +111,7 @@ def test_cli_score_with_a_device_map(bin_model_dir, plain, plain_results, small_
         (["--max-memory", "gpu0=1GiB"], "DEVICE must be a GPU index"),
         (["--offload-folder", "off"], "--max-memory and --offload-folder need --device-map"),
         (["--device-map", "auto", "--device", "cpu"], "either --device cpu or --device-map auto"),
+        (["--tp-plan", "auto"], "start them with torchrun --nproc-per-node N -m tatblimp_callback"),
     ],
 )
 def test_placement_options_that_do_not_go_together(bin_model_dir, small_data, extra, message, capsys):
