@@ -36,6 +36,8 @@ class CheckpointScorer:
         self.benchmark = load_benchmark(options.data, allow_modified=options.allow_modified)
         self._tokenizers: dict[str, tuple[Any, int | None]] = {}  # files key -> (tokenizer, mismatches)
         self._caches: dict[str, Any] = {}  # files key -> SentenceCache
+        if options.tokenizer:
+            self._tokenizer_for(run_dir)  # a wrong --tokenizer is the sweep's error, not each checkpoint's
 
     def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
         from .evaluation import Evaluator
@@ -122,6 +124,8 @@ def score_or_failure(scorer: CheckpointScorer, checkpoint: Checkpoint) -> tuple[
     try:
         with distributed.this_process_only():
             return "scored", scorer.score(checkpoint)
+    except SweepError:
+        raise  # the run's, not the checkpoint's (no tokenizer anywhere): the sweep stops
     except Exception as error:  # one bad checkpoint must not end the sweep, nor leave the other processes waiting
         if not checkpoint.path.exists():
             # The Trainer's save_total_limit deleted it while we waited or loaded: nothing to score.
