@@ -19,6 +19,7 @@ import pytest
 
 from conftest import tiny_llama
 from tatblimp_callback.sweep import SweepOptions, sweep
+from trainer_utils import wandb_records
 
 BIN = Path(sys.executable).parent
 STEPS = (10, 20, 30, 40)
@@ -112,11 +113,18 @@ def test_two_torchrun_processes_write_each_checkpoint_once_as_one_process_does(
     # hands out a checkpoint saved while it runs.
     save_checkpoint(two / "run" / CORRUPT, bpe_tokenizer, 20)
     command = [*TORCHRUN, "--no-python", str(BIN / "tatblimp")]
-    env_watch = ["--watch", "--interval", "0.5", "--max-wait", "4"]
+    watch = ["--watch", "--interval", "0.5", "--max-wait", "4", "--wandb-project", "sweep-test"]
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(two), "WANDB_SILENT": "true"}
     rerun = subprocess.Popen(
-        [*command, "sweep", "run", "--data", str(one_pair_each), "--allow-modified", "--no-progress", *env_watch],
+        [*command, "sweep", "run", "--data", str(one_pair_each), "--allow-modified", "--no-progress", *watch],
         cwd=two,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).parents[1])},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": str(Path(__file__).parents[1]),
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -135,6 +143,10 @@ def test_two_torchrun_processes_write_each_checkpoint_once_as_one_process_does(
     steps = [r["step"] for r in lines(results)]
     assert steps == [10, 30, 40, 20, 50]  # old lines kept, each checkpoint once
     assert out.count("acc_norm") >= 2 and "checkpoint-50" in out
+    # One wandb run, written by process 0, with each new checkpoint once at its step.
+    (wandb_run,) = (two / "wandb").glob("offline-run-*")
+    history = [r["history"]["item"] for r in wandb_records(str(wandb_run)) if r["type"] == "history"]
+    assert [item["train/global_step"] for item in history if "tatblimp/acc_norm" in item] == [20, 50]
 
 
 def test_one_process_goes_on_past_a_corrupt_checkpoint(one_process_sweep, one_pair_each, capsys):
