@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import socket
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .data import Benchmark, load_benchmark
 from .tokenization import encode_sentences, resolve_prefix_token_id, tokenizer_fingerprint, tokenizer_name
+
+logger = logging.getLogger(__name__)
 
 # 2: only special tokens the tokenizer inserted are stripped (an ordinary prefix token is kept); older caches are rebuilt.
 CACHE_FORMAT = 2
@@ -184,8 +188,25 @@ def build_cache(
         encoded, benchmark, sentences, prefix_token_id=prefix, tokenizer_name=tokenizer_name(tokenizer), fingerprint=fingerprint
     )
     if cache_path is not None:
-        cache.save(cache_path)
+        save_or_warn(cache, cache_path)
     return cache.to(device)
+
+
+def save_or_warn(cache: SentenceCache, path: str | os.PathLike) -> bool:
+    """Save ``cache`` to ``path`` (its folder made if missing); if it cannot be written, warn and return False.
+
+    The file only saves tokenizing on the next run: a folder that cannot be made, a read-only path or a
+    full disk must not fail the evaluation, which goes on with the cache in memory.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        cache.save(path)
+    except (OSError, SafetensorError) as err:
+        logger.warning("tatblimp: cannot write the tokenized benchmark to %s (%s); it is kept in memory only", path, err)
+        return False
+    return True
 
 
 def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts: list[str], **fields: Any) -> SentenceCache:

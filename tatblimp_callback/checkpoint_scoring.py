@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .adapters import adapter_base_model, is_adapter_folder
 from .checkpoints import Checkpoint, SweepError
 from .loading import TOKENIZER_FILES, load_model, load_tokenizer
 
@@ -100,7 +101,8 @@ def _quiet_transformers():
 
 
 def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:
-    for folder in (checkpoint, run_dir):
+    base = adapter_base_model(checkpoint) if is_adapter_folder(checkpoint) else None  # a PEFT adapter's base model
+    for folder in (checkpoint, run_dir, *([Path(base)] if base and Path(base).is_dir() else [])):
         if any((folder / name).is_file() for name in TOKENIZER_FILES):
             return str(folder)
     raise SweepError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer")

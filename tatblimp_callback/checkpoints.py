@@ -1,7 +1,8 @@
 """The checkpoints of a training run's folder, and when each is complete enough to read.
 
 Checkpoints are the sub-folders of a run folder whose name ends in a step number (the Trainer's
-``checkpoint-<step>``, or ``step_1000``, ``ckpt42``, ...) and that hold a ``config.json``.
+``checkpoint-<step>``, or ``step_1000``, ``ckpt42``, ...) and that hold a ``config.json``, or a PEFT
+adapter's ``adapter_config.json`` (scored on its base model, see ``adapters``).
 
 A checkpoint is read only once it is complete: when its ``trainer_state.json`` exists (the
 Trainer writes it after the weights), or else when it holds a weights file (``model.safetensors``,
@@ -17,8 +18,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .adapters import ADAPTER_WEIGHTS, is_adapter_folder
+
 TRAINER_STATE = "trainer_state.json"
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHTS_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    *ADAPTER_WEIGHTS,
+)
 _STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
 
 
@@ -37,14 +46,15 @@ class Checkpoint:
 
 
 def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
-    """Sub-folders of ``run_dir`` named with a trailing step number and holding a ``config.json``, by step."""
+    """Sub-folders of ``run_dir`` named with a trailing step number and holding a ``config.json`` (or a PEFT
+    adapter's ``adapter_config.json``), by step."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise SweepError(f"{run_dir}: not a folder")
     by_step: dict[int, Path] = {}
     for child in sorted(run_dir.iterdir()):
         match = _STEP_NAME.match(child.name)
-        if not match or not child.is_dir() or not (child / "config.json").is_file():
+        if not match or not child.is_dir() or not ((child / "config.json").is_file() or is_adapter_folder(child)):
             continue
         step = int(match.group(1))
         if step in by_step:

@@ -13,7 +13,7 @@ from . import distributed
 from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
-from .model_checks import input_device
+from .model_checks import input_device, weights_label
 from .scoring import Scorer, ScoringMethod, unwrap_model
 
 
@@ -106,20 +106,26 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     """``evaluator._scorer`` for ``model``, made once per model (``Scorer(model, cache, **options)``).
 
     The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
-    and moved there when it is elsewhere.
+    and moved there when it is elsewhere; the scorer is made again when the model moved to another
+    device or dtype since it was made.
     """
     device = model_device(model)
+    if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
+        device = torch.device("cpu")
     if evaluator.cache is None:
         evaluator.cache = build(device)
     elif evaluator.cache.device != device:
         evaluator.cache = evaluator.cache.to(device)
-    if evaluator._scorer is None or evaluator._scorer.model is not model:
+    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its own.
+    if evaluator._scorer is None or not evaluator._scorer.serves(model):
         evaluator._scorer = Scorer(model, evaluator.cache, **options)
     return evaluator._scorer
 
 
 def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries."""
+    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries, and
+    ``weights``, the label (``model_checks.weights_label``) of the weights it measured."""
+    weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score()
     seconds = time.perf_counter() - start
@@ -131,6 +137,7 @@ def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
         "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
         "oom_retries": scorer.oom_retries,
         "method_replacements": scorer.method_replacements,
+        "weights": weights,
     }
 
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
 from .placement import add_placement_arguments
 from .tokenization import SentencePieceTokenizer
 
@@ -53,7 +54,8 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
 
 
 def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32", **placement):
-    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``.
+    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``; a
+    folder with a PEFT adapter only (``adapters``) is loaded on its base model as a ``PeftModel``.
 
     Args:
         name_or_path: the model's folder or Hub id.
@@ -73,10 +75,16 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
     from .placement import from_pretrained_options
 
     folder = check_folder_or_hub_id(name_or_path, "model")
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    if folder is not None and is_adapter_folder(folder):  # a LoRA checkpoint: loaded on its base model
+        return load_adapter_model(folder, torch_dtype).to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     if folder is not None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
+    if folder is not None:
+        from .model_checks import check_causal_config
+
+        check_causal_config(folder)
     options = from_pretrained_options(**placement)
-    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
         model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype, **options)
     except ValueError as err:
@@ -138,6 +146,9 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str:
     if tokenizer is not None:
         return tokenizer
     if model_folder is not None and not has_tokenizer_files(model_folder):
+        base = adapter_base_model(model_folder) if is_adapter_folder(model_folder) else None
+        if base is not None and (not Path(base).is_dir() or has_tokenizer_files(base)):
+            return base  # a PEFT adapter saved without its tokenizer: its base model's
         raise FileNotFoundError(
             f"the model folder {model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
             "pass --tokenizer with a tokenizer folder, a Hub id or a SentencePiece .model file"

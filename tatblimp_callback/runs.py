@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .jsonl import split_lines
 from .stats import Outcomes
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
@@ -101,7 +102,7 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
 
 def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
         try:

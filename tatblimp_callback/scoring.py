@@ -31,6 +31,7 @@ from .memory_budget import (
 )
 from .model_checks import (
     ScoringError,
+    check_causal_lm,
     check_weights_and_vocabulary,
     fit_to_context,
     forward_reads_position_ids,
@@ -47,7 +48,7 @@ from .scoring_method import (
     layouts_to_try,
     relative_tolerance,
 )
-from .tiled_head import head_logprobs, head_tile
+from .tiled_head import head_logprobs, head_tile, plain_head_weight
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
 
@@ -98,7 +99,8 @@ class Scorer:
         # Accelerate wraps a mixed-precision model's forward in autocast; scoring runs the weights'
         # own dtype (fp32 master weights stay exact), and the body and head below do too.
         self._forward = model if self.sharded else getattr(self.lm, "_original_forward", self.lm)
-        check_weights_and_vocabulary(self.lm, cache)  # first: a meta model's cache cannot even be measured
+        check_causal_lm(self.lm)
+        check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
         self.cache = fit_to_context(self.lm, cache, truncate)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
@@ -115,8 +117,14 @@ class Scorer:
         self._sequences: list[list[int]] | None = None  # the cache's token ids as host lists
         self.oom_retries = 0
         self.method_replacements = 0  # methods that failed a later check and were replaced
+        self._built_dtype = self._dtype()
 
     # -- public ---------------------------------------------------------------------------------
+
+    def serves(self, model: torch.nn.Module) -> bool:
+        """Whether this scorer fits ``model`` as it is now: the same model, still on its cache's device and in its dtype."""
+        weight = next(self.lm.parameters())
+        return model is self.model and weight.device == self.cache.device and weight.dtype == self._built_dtype
 
     @torch.no_grad()
     def score(self) -> torch.Tensor:
@@ -140,6 +148,10 @@ class Scorer:
             self.model.train(was_training)
 
     def _attempt(self) -> torch.Tensor:
+        if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
+            # An adapter or hook put on the head since the method was chosen: what it computes is not its weight.
+            logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
+            self.method = ScoringMethod(self.method.layout, "full_logits")
         self._check_method_when_due()  # its sample is laid out within the budget too
         return self._readout(self._score_matrix(self.method)).cpu()
 
@@ -353,12 +365,9 @@ class Scorer:
         return ["tiled", "full_logits"] if self._head_weight() is not None else ["full_logits"]
 
     def _head_weight(self) -> torch.Tensor | None:
-        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
-        if head is None or not hasattr(head, "weight") or self.lm.base_model is self.lm or self.sharded:
+        if self.lm.base_model is self.lm or self.sharded:
             return None  # a sharded head's weight is a shard: only the model's own forward can use it
-        if head.weight.is_meta:
-            return None  # offloaded by a device map: only its accelerate hook (the model's own forward) loads it
-        return head.weight
+        return plain_head_weight(self.lm)
 
     def _vocab_size(self) -> int:
         weight = self._head_weight()

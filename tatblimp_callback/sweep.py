@@ -26,6 +26,7 @@ from typing import Any
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from .jsonl import read_complete_lines
 from .loading import add_model_arguments
 from .placement import placement_options
 from .sweep_processes import SweepProcesses
@@ -140,7 +141,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_complete_lines(path), start=1):
         if not line.strip():
             continue
         try:

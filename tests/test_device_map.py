@@ -92,6 +92,8 @@ def test_head_on_the_cpu_and_layers_on_disk(bin_model_dir, plain_results, bpe_to
     assert not model.lm_head.weight.is_meta and model.model.layers[1].mlp.up_proj.weight.is_meta
     results = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
     assert_same_logprobs(results.to_dict(), plain_results)
+    # The head's weight is resident, only placed by accelerate's hook: the tiled head runs on its device.
+    assert results.run_info["scoring_method"].endswith("tiled head")
 
 
 def test_cli_score_with_a_device_map(bin_model_dir, plain, plain_results, small_data, tmp_path, capsys):
