@@ -209,9 +209,9 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     run_dir = Path(run_dir)
     find_checkpoints(run_dir)  # fails early on a missing folder or a step claimed twice
     records = read_records(run_dir / RESULTS_FILE)
-    processes = SweepProcesses()
-    if options.device_map and processes.size > 1:
+    if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
+    processes = SweepProcesses()
     try:
         report = _sweep(run_dir, options, records, processes)
     finally:

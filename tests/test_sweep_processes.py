@@ -162,3 +162,9 @@ def test_one_process_goes_on_past_a_corrupt_checkpoint(one_process_sweep, one_pa
     assert "0 checkpoint(s) scored, 3 already in" in captured.out and ", 1 failed" in captured.out
     assert f"1 checkpoint(s) could not be scored: {CORRUPT}" in captured.err
     assert len(lines(run / "tatblimp-failures.jsonl")) == 2 and len(lines(run / "tatblimp.jsonl")) == 3
+
+
+def test_a_device_map_is_refused_on_several_processes(run_template, one_pair_each, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; refused before any process group is joined
+    with pytest.raises(ValueError, match="device_map spreads one model over every device: sweep on one process"):
+        sweep(run_template, SweepOptions(data=str(one_pair_each), allow_modified=True, device_map="auto"))
