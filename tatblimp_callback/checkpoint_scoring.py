@@ -12,14 +12,11 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .adapters import adapter_base_model, is_adapter_folder
 from .checkpoints import Checkpoint, SweepError
 from .loading import TOKENIZER_FILES, load_model, load_tokenizer
-
-if TYPE_CHECKING:
-    from .sweep import SweepOptions
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +24,8 @@ logger = logging.getLogger(__name__)
 class CheckpointScorer:
     """Loads and scores checkpoints; tokenizes the benchmark once per distinct tokenizer."""
 
-    def __init__(self, run_dir: Path, options: SweepOptions, device: str | None):
-        """``device``: where this process scores (None: the loader's default)."""
+    def __init__(self, run_dir: Path, options: Any, device: str | None):
+        """``options``: the sweep's ``SweepOptions``; ``device``: where this process scores (None: the loader's default)."""
         from .data import load_benchmark
 
         self.run_dir = run_dir
