@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from . import distributed, reporting
+from . import callback_options, distributed, reporting
 from .curves import DEFAULT_THRESHOLD, acquisition_steps
 from .data import Benchmark
 from .evaluation import Evaluator
@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 class TatBLiMPCallback(TrainerCallback):
     """Scores the model on TatBLiMP every ``eval_steps`` optimizer steps and logs per-phenomenon curves."""
 
-    eval_steps: int = 500
-    """Score every this many global (optimizer) steps."""
+    eval_steps: int | float = 500
+    """Score every this many global (optimizer) steps; a float between 0 and 1 is a fraction of the run's total
+    steps (rounded up), as in ``TrainingArguments.eval_steps``."""
 
     data: Benchmark | str | os.PathLike | None = None
     """Benchmark JSONL path or ``Benchmark``; None: ``$TATBLIMP_DATA``, else the Hub dataset ``ilchats/TatBLiMP``."""
@@ -77,7 +78,8 @@ class TatBLiMPCallback(TrainerCallback):
     """Accept a benchmark file that is not the official release (reported as modified)."""
 
     cache_path: str | os.PathLike | None = None
-    """Save the tokenized benchmark here (safetensors) and reuse it on resume when data and tokenizer match."""
+    """Save the tokenized benchmark here (safetensors) and reuse it on resume when data and tokenizer match;
+    relative to ``output_dir``, like ``history_file``."""
 
     memory_budget: int | None = None
     """Extra bytes one evaluation may use; None: a quarter of free GPU memory, 512 MiB on a CPU."""
@@ -94,6 +96,11 @@ class TatBLiMPCallback(TrainerCallback):
     history_file: str | os.PathLike | None = "tatblimp_history.jsonl"
     """Write each evaluation as a JSON line here (relative to ``output_dir``; main process only), the
     record of a ``tatblimp sweep`` line without "checkpoint": ``tatblimp compare`` reads it. None: no file."""
+
+    report_file: str | os.PathLike | None = None
+    """At the end of training, write this run's HTML report (``tatblimp report`` of ``history_file``) here,
+    relative to ``output_dir`` (main process only), and log it to wandb as an HTML panel, ``<prefix>/report``.
+    Needs ``history_file``. None (default): no report."""
 
     acquisition_threshold: float = DEFAULT_THRESHOLD
     """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
@@ -124,10 +131,11 @@ class TatBLiMPCallback(TrainerCallback):
     (the string "never" there, since wandb drops None)."""
 
     def __post_init__(self):
-        if self.eval_steps < 1:
-            raise ValueError(f"eval_steps must be at least 1, got {self.eval_steps}")
+        self._every = callback_options.check_eval_steps(self.eval_steps)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
+        if self.report_file is not None and self.history_file is None:
+            raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
@@ -180,14 +188,15 @@ class TatBLiMPCallback(TrainerCallback):
                     "Add it with TatBLiMPCallback.attach(trainer, ...) instead of callbacks=[...]",
                     ", ".join(missed),
                 )
+        self._every = callback_options.steps_between(self.eval_steps, state.max_steps)
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        self._prepare(tokenizer, model)
+        self._prepare(tokenizer, model, getattr(args, "output_dir", None))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
-        if step % self.eval_steps == 0 or (self.eval_on_end and step >= state.max_steps):
+        if step % self._every == 0 or (self.eval_on_end and step >= state.max_steps):
             self._score(args, state, control, model)
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
@@ -266,7 +275,7 @@ class TatBLiMPCallback(TrainerCallback):
     def _has_results(self, entry: dict[str, Any]) -> bool:
         return f"{self.log_prefix}/acc" in entry or f"{self.log_prefix}_fc/accuracy" in entry
 
-    def _prepare(self, tokenizer, model) -> None:
+    def _prepare(self, tokenizer, model, output_dir: str | None = None) -> None:
         """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same."""
         if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not self.data:
             self._prepared_for = (tokenizer, self.data)
@@ -287,7 +296,7 @@ class TatBLiMPCallback(TrainerCallback):
                     allow_modified=self.allow_modified,
                     memory_budget=self.memory_budget,
                     truncate=self.truncate,
-                    cache_path=self.cache_path,
+                    cache_path=callback_options.under_output_dir(self.cache_path, output_dir),
                 )
         for evaluator in (self._fc_evaluator, self._evaluator):
             if evaluator is not None:
@@ -311,6 +320,13 @@ class TatBLiMPCallback(TrainerCallback):
         wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
             self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
+        if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
+            from .report import report_at_end_of_training
+
+            output = callback_options.under_output_dir(self.report_file, args.output_dir)
+            self._guarded(
+                report_at_end_of_training, self._history_file.path, output, f"{self.log_prefix}/report" if wandb else None
+            )
 
     # -- scoring and logging --------------------------------------------------------------------
 
@@ -343,7 +359,7 @@ class TatBLiMPCallback(TrainerCallback):
         if results is not None:
             self.last_results, self._last_results_weights = results, weights
             metrics = results.flat_metrics(self.log_prefix)
-            if results.partial:
+            if results.non_finite_pairs:
                 logger.warning(
                     "tatblimp: step %d: %d pairs have non-finite log-probs and are left out of the metrics (%s)",
                     state.global_step,

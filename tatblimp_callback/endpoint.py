@@ -38,6 +38,7 @@ from .forced_choice import (
     compute_choice_results,
 )
 from .jsonl import read_complete_lines
+from .provenance import provenance
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def evaluate_endpoint(
         "tatblimp_forced_choice": RESULTS_FORMAT,
         "model": client.model_name,
         "benchmark_md5": benchmark.md5,
+        "benchmark_selection": benchmark.selection,  # --limit/--phenomena: item k is another pair's
         "prompt": prompt,
         "system_prompt": system_prompt,
     }
@@ -254,6 +256,7 @@ def evaluate_endpoint(
         "requests": len(pending),
         "resumed_items": resumed,
         "retries": client.retries,
+        **provenance(),  # no local model: dtype and device are None
     }
     return compute_choice_results(
         benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, run_info=extra
@@ -280,7 +283,7 @@ def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
         found = None
     if not isinstance(found, dict) or found.get("tatblimp_forced_choice") != RESULTS_FORMAT:
         raise EndpointError(f"{path}: not a tatblimp forced-choice results file; choose another results path")
-    for key in ("model", "benchmark_md5", "prompt", "system_prompt"):
+    for key in ("model", "benchmark_md5", "benchmark_selection", "prompt", "system_prompt"):
         if found.get(key) != header[key]:
             raise EndpointError(
                 f"{path} holds answers for a different {key.replace('_', ' ')} ({found.get(key)!r}, now {header[key]!r}); "

@@ -14,7 +14,9 @@ from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
 from .model_checks import input_device, weights_label
+from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
+from .token_results import pair_tokens
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -47,6 +49,8 @@ class Evaluator:
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.
         cache_path: a safetensors file to load the cache from, or to save it to once built.
+        include_tokens: also give each pair's token log-probs, token texts and edit span
+            (``Results.pair_tokens``, see ``token_results``); the texts need ``tokenizer``.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class Evaluator:
         truncate: bool = False,
         method: ScoringMethod | str | None = None,
         cache_path: str | os.PathLike | None = None,
+        include_tokens: bool = False,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
@@ -73,6 +78,7 @@ class Evaluator:
         self.truncate = truncate
         self.method = method
         self.cache_path = cache_path
+        self.include_tokens = include_tokens
         self._scorer: Scorer | None = None
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
@@ -99,7 +105,10 @@ class Evaluator:
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
         logprobs, run_info = timed_score(scorer)
-        return compute_results(scorer.cache, logprobs, run_info)
+        results = compute_results(scorer.cache, logprobs, run_info)
+        if self.include_tokens:
+            results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
+        return results
 
 
 def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:
@@ -123,8 +132,9 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 
 
 def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries, and
-    ``weights``, the label (``model_checks.weights_label``) of the weights it measured."""
+    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries,
+    ``weights``, the label (``model_checks.weights_label``) of the weights it measured, and what made it
+    (``provenance``: versions, dtype, device, date)."""
     weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score()
@@ -138,6 +148,7 @@ def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
         "oom_retries": scorer.oom_retries,
         "method_replacements": scorer.method_replacements,
         "weights": weights,
+        **provenance(scorer.model),
     }
 
 

@@ -2,7 +2,8 @@
 
 Shared by the commands that load a model (``tatblimp score`` and ``tatblimp sweep``), with the
 options they have in common. A name that is not an existing folder or file is taken as a Hub id
-only if it can be one; ``/data/my-model`` that does not exist is "no such folder", not a Hub error.
+only if it can be one; ``/data/my-model``, ``./x``, ``a/b/c`` that do not exist, and ``runs/nope`` where
+``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
         return path
     if path.exists():
         raise FileNotFoundError(f"{name}: a file, not a {what} folder")
+    first = Path(path.parts[0]) if len(path.parts) > 1 and not path.is_absolute() and path.parts[0] != ".." else None
+    if first is not None and first.is_dir():  # runs/nope next to a folder runs/: a mistyped path, not a Hub id
+        raise FileNotFoundError(f"{name}: no such {what} folder (not taken as a Hub id: {first} is a local folder)")
     try:
         validate_repo_id(str(name))
     except HFValidationError:
@@ -94,10 +98,37 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
             f"{name_or_path}: the model's architecture is Python code in its folder or repository; read it, then pass "
             "--trust-remote-code (trust_remote_code=True) to run it"
         ) from err
+    except Exception as err:
+        damaged = damaged_weight_file(folder) if folder is not None else None
+        if damaged is None:
+            raise
+        raise OSError(f"{damaged[0]}: cannot be read, the weights file is damaged or incomplete ({damaged[1]})") from err
     if "device_map" in options or "distributed_config" in options:
         return model.eval()  # placed by accelerate's dispatch or by the tensor-parallel plan
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval()
+
+
+def damaged_weight_file(folder: Path) -> tuple[Path, str] | None:
+    """The first weights file of ``folder`` that cannot be opened, and why; None when every one opens.
+
+    Reads headers only (safetensors) or maps the file (torch ``.bin``), so it is cheap next to a load.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(os.fspath(path), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:
+            return path, str(err).splitlines()[0] if str(err) else type(err).__name__
+    for path in sorted(folder.glob("*.bin")):
+        try:
+            torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:
+            return path, str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, **hub_options) -> Any:

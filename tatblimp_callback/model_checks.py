@@ -102,6 +102,11 @@ def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> N
     embedding = lm.get_input_embeddings()
     # A sharded weight's local shape is a shard's (ZeRO-3, FSDP1); num_embeddings is the real count.
     embeddings = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
+    if not cache.answer_ids and not 0 <= cache.prefix_token_id < embeddings:  # the caller's choice, not the tokenizer's
+        raise ScoringError(
+            f"prefix token id {cache.prefix_token_id} is not a token of the model (its embedding has {embeddings} rows); "
+            "pass a prefix_token_id below that (tatblimp: --prefix-token-id), or none for the tokenizer's BOS/EOS"
+        )
     if largest_token_id >= embeddings:
         raise ScoringError(
             f"tokenizer {cache.tokenizer_name} produces token id {largest_token_id}, but the model's embedding "
@@ -147,9 +152,11 @@ def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) ->
             f"tokens, more than the model's context of {context}; a prompt cannot be cut without losing the question"
         )
     if not truncate:
+        too_long = sum(length > context for length in cache.lengths)
         raise ScoringError(
-            f"pair {k // 2} ({'good' if k % 2 == 0 else 'bad'} sentence) has {longest} tokens, "
-            f"more than the model's context of {context}; pass truncate=True to cut such sentences"
+            f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than the model's context of {context} "
+            f"(the longest, pair {k // 2}'s {'good' if k % 2 == 0 else 'bad'} sentence, has {longest}); "
+            "pass truncate=True (tatblimp: --truncate) to cut them"
         )
     cut = cache.cut_to(context)
     logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(cut.truncated), context)

@@ -50,10 +50,17 @@ class Run:
             raise CompareError(f"{self.path}: no step {step} (steps: {', '.join(map(str, steps))})")
         self.step = step
         self.__dict__.pop("outcomes", None)
+        self.__dict__.pop("history", None)
+
+    @property
+    def records_up_to_step(self) -> list[dict[str, Any]]:
+        """The sweep's records through the compared step (all of them when it is the last)."""
+        return [r for r in self.records if self.step is None or r["step"] <= self.step]
 
     @cached_property
     def history(self) -> list[dict[str, Any]]:
-        return history_from_records(self.records) if self.is_sweep else []
+        """The curves through the compared step: what was known when those weights were scored."""
+        return history_from_records(self.records_up_to_step) if self.is_sweep else []
 
     def acquisition(self, threshold: float = DEFAULT_THRESHOLD, use_lower_bound: bool = False) -> dict[str, int | None]:
         if not self.is_sweep:
@@ -119,6 +126,11 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
 
 
 def _check_record(record: Any, where: str) -> None:
+    if isinstance(record, dict) and record.get("protocol") == "forced-choice":
+        raise CompareError(
+            f"{where}: a forced-choice result (score --protocol forced-choice); compare takes log-prob results "
+            "(score --output without --protocol, sweep and callback history lines)"
+        )
     if not isinstance(record, dict) or not {"acc", "acc_norm", "phenomena"} <= record.keys():
         raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
 

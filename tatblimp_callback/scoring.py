@@ -118,6 +118,9 @@ class Scorer:
         self.oom_retries = 0
         self.method_replacements = 0  # methods that failed a later check and were replaced
         self._built_dtype = self._dtype()
+        # The latest evaluation's [sequences x slots] log-prob matrix (sentences only), on the scoring
+        # device: every token's log-prob, kept at no cost (``token_logprobs``).
+        self._token_matrix: torch.Tensor | None = None
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -153,7 +156,24 @@ class Scorer:
             logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
             self.method = ScoringMethod(self.method.layout, "full_logits")
         self._check_method_when_due()  # its sample is laid out within the budget too
-        return self._readout(self._score_matrix(self.method)).cpu()
+        matrix = self._score_matrix(self.method)
+        self._token_matrix = None if self.cache.answer_ids else matrix
+        return self._readout(matrix).cpu()
+
+    def token_logprobs(self) -> list[list[float]]:
+        """Every scored token's log-prob from the latest ``score()``, per sentence in cache order.
+
+        Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in
+        token order; they are the cells the sentence's log-prob is summed from, so Python's
+        ``sum()`` of a sentence's list equals ``score()[s]`` exactly.
+
+        Raises:
+            RuntimeError: nothing scored yet, or the cache holds forced-choice prompts.
+        """
+        if self._token_matrix is None:
+            raise RuntimeError("no token log-probs: score() the sentences first (forced-choice prompts have none)")
+        rows = self._token_matrix.cpu().double().tolist()
+        return [row[: length - 1] for row, length in zip(rows, self.cache.lengths)]
 
     def layout(self, kind: str | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen method's), built once per budget."""
@@ -235,8 +255,18 @@ class Scorer:
         return matrix
 
     def _readout(self, matrix: torch.Tensor) -> torch.Tensor:
-        """Sentences: each row's sum (a fixed-order reduction); prompts: the answers' log-probs as they are."""
-        return matrix if self.cache.answer_ids else matrix.sum(1)
+        """Sentences: each row's sum; prompts: the answers' log-probs as they are.
+
+        A row is added up cell by cell from the left, as Python's ``sum()`` adds a list, so a
+        sentence's log-prob is exactly the sum of its tokens' (``token_logprobs``) on any device;
+        the cells past a sentence's end are zeros, which change no sum.
+        """
+        if self.cache.answer_ids:
+            return matrix
+        total = torch.zeros(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+        for column in matrix.unbind(1):
+            total += column
+        return total
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
         """log p(target | context) of every (context, target) the batch scores, in float32."""

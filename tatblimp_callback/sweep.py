@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
-from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights
+from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from .jsonl import read_complete_lines
 from .loading import add_model_arguments
+from .outputs import say
 from .placement import placement_options
 from .sweep_processes import SweepProcesses
 
@@ -206,8 +207,14 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     options = options or SweepOptions()
     if options.acquisition not in ("estimate", "lower-bound"):
         raise ValueError(f"acquisition must be 'estimate' or 'lower-bound', got {options.acquisition!r}")
+    if options.max_wait is not None and not options.watch:
+        raise ValueError(
+            "max_wait (--max-wait) needs watch (--watch): without it the sweep ends once the checkpoints there are scored"
+        )
     run_dir = Path(run_dir)
-    find_checkpoints(run_dir)  # fails early on a missing folder or a step claimed twice
+    # Fails early on a missing folder or a step claimed twice; and on a folder without checkpoints, unless watching for them.
+    if not find_checkpoints(run_dir) and not options.watch:
+        raise SweepError(no_checkpoints_message(run_dir))
     records = read_records(run_dir / RESULTS_FILE)
     if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
@@ -336,7 +343,11 @@ def run_sweep(args: argparse.Namespace) -> None:
     report = sweep(args.run_dir, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return  # process 0 reports for all
-    print(
+    if (
+        not report.records and not report.incomplete and not report.vanished and not report.failed
+    ):  # --watch ended and none ever came
+        raise SweepError(no_checkpoints_message(args.run_dir))
+    say(
         f"{len(report.scored)} checkpoint(s) scored, {len(report.skipped)} already in {report.results_path}"
         + (f", {len(report.incomplete)} not complete" if report.incomplete else "")
         + (f", {len(report.vanished)} deleted before scoring" if report.vanished else "")
@@ -346,9 +357,9 @@ def run_sweep(args: argparse.Namespace) -> None:
     if report.acquisition:
         width = max(len(name) for name in report.acquisition)
         what = "acc_norm" if options.acquisition == "estimate" else "acc_norm's 95% lower bound"
-        print(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
+        say(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
         for name, step in report.acquisition.items():
-            print(f"  {name:<{width}}  {step if step is not None else '-'}")
+            say(f"  {name:<{width}}  {step if step is not None else 'never'}")
     if report.failed:
         for error in report.failed.values():
             print(f"  failed: {error}", file=sys.stderr)

@@ -23,8 +23,8 @@ def fresh_score(checkpoint, tokenizer, data):
 
 
 def timeless(entries: list[dict]) -> list[dict]:
-    """The entries without the seconds an evaluation took, which differ between any two runs."""
-    return [{k: v for k, v in e.items() if not k.endswith("seconds")} for e in entries]
+    """The entries without the seconds an evaluation took and when it was made, which differ between any two runs."""
+    return [{k: v for k, v in e.items() if not k.endswith("seconds") and k != "created"} for e in entries]
 
 
 def history_lines(path) -> list[dict]:

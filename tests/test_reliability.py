@@ -82,7 +82,8 @@ def test_too_long_sentence_through_the_callback_fails_or_is_counted(bpe_tokenize
     assert trainer.state.global_step == 4 and cb.history == []
     assert cb.failures == 3  # steps 0, 2 and 4 (preparing is said once, not counted)
     assert re.search(
-        rf"pair \d+ \((good|bad) sentence\) has \d+ tokens, more than the model's context of {context}; pass truncate=True",
+        rf"{too_long} of 96 sentences have more tokens than the model's context of {context} \(the longest, pair \d+'s "
+        r"(good|bad) sentence, has \d+\); pass truncate=True \(tatblimp: --truncate\)",
         caplog.text,
     )
 
