@@ -56,7 +56,7 @@ def test_attention_implementation_is_passed(custom_model_dir):
     assert model.config._attn_implementation == "eager"
 
 
-def test_revision_reaches_from_pretrained(monkeypatch, capsys):
+def test_revision_reaches_from_pretrained(small_data, monkeypatch, capsys):
     """The Hub cannot be reached here: the loader's call is recorded instead."""
     import types
 
@@ -74,7 +74,8 @@ def test_revision_reaches_from_pretrained(monkeypatch, capsys):
         "from_pretrained",
         lambda name, **options: calls.append((name, options)) or types.SimpleNamespace(),
     )
-    assert main(["score", "someone/some-model", "--revision", "v1.0", "--device", "cpu"]) == 1
+    command = ["score", "someone/some-model", "--revision", "v1.0", "--device", "cpu", "--data", str(small_data)]
+    assert main([*command, "--allow-modified"]) == 1
     assert [options.get("revision") for _, options in calls] == ["v1.0", "v1.0"]  # the tokenizer, then the model
     assert calls[1][1]["trust_remote_code"] is False
     capsys.readouterr()
