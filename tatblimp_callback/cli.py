@@ -5,6 +5,8 @@
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
     tatblimp compare RESULTS... [--markdown out.md] [--plot out.png]      (see compare.py)
+    torchrun --nproc-per-node N -m tatblimp_callback sweep RUN_DIR        (checkpoints shared out: sweep_processes.py)
+    torchrun --nproc-per-node N -m tatblimp_callback score MODEL --tp-plan auto
     tatblimp explain MODEL_DIR --pair N | --phenomenon NAME --worst K     (see explain.py)
     tatblimp report RESULTS... --output report.html [--model MODEL_DIR]   (see report.py)
 
@@ -18,14 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, distributed
 from .compare import add_compare_parser
 from .explain import add_explain_parser
 from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
 from .outputs import check_output_file, say, silence_stdout, write_text
+from .placement import placement_options
 from .report import add_report_parser
 from .sweep import add_sweep_parser
 
@@ -48,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
     )
     score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument("--revision", help="a Hub model's branch, tag or commit (default: main)")
+    score.add_argument(
+        "--tp-plan",
+        choices=("auto",),
+        help="under torchrun: split each layer over the processes (transformers' tensor parallelism); process 0 writes",
+    )
     score.add_argument(
         "--include-tokens",
         action="store_true",
@@ -65,16 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_from_args(args: argparse.Namespace, model_dir: str):
+    """(tokenizer source, tokenizer, model) for ``model_dir`` with the loader options in ``args``.
+
+    ``--revision`` and ``--trust-remote-code`` apply to the tokenizer too when it comes from the model.
+    """
+    source = tokenizer_source(model_dir, args.tokenizer)
+    placement = placement_options(args)
+    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
+    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
+    return source, tokenizer, load_model(model_dir, args.device, args.dtype, **placement)
+
+
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
     from .data import load_benchmark
     from .evaluation import evaluate
     from .tokenization import check_sentencepiece_mismatch
 
-    source = tokenizer_source(model_dir, args.tokenizer)  # checks the model's path too, loading nothing
+    tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing
     benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
-    tokenizer = load_tokenizer(source)
-    model = load_model(model_dir, args.device, args.dtype)
+    source, tokenizer, model = load_from_args(args, model_dir)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
     if Path(source).is_dir():
@@ -109,12 +130,16 @@ def report(results, output: str | None) -> None:
 
 def run_score(args: argparse.Namespace) -> None:
     check_output_file(args.output, "--output")
+    if args.endpoint is None and args.protocol == "forced-choice" and not args.model:
+        args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
     if args.endpoint or args.protocol == "forced-choice":
         return run_forced_choice(args)
     if not args.model:
         raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
     results = evaluate_from_args(args, args.model)
     results.run_info["model"] = args.model
+    if args.tp_plan and distributed.world()[0] != 0:
+        return  # every process scored the same rows; process 0 reports
     report(results, args.output)
     if results.pair_tokens is not None:
         from .token_results import edit_margins, format_edit_margins
@@ -137,7 +162,12 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
         help="UTF-8 file with the user message, {a} and {b} for the sentences (default: forced_choice.DEFAULT_PROMPT)",
     )
     group.add_argument("--system-prompt", help="a system message before each prompt (default: none)")
-    group.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    group.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://localhost:8000/v1 (default with --protocol forced-choice "
+        "and no model folder: $OPENAI_BASE_URL)",
+    )
     group.add_argument("--model-name", help="the model field of each endpoint request")
     group.add_argument(
         "--api-key-env",
@@ -156,8 +186,6 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_forced_choice(args: argparse.Namespace) -> None:
     """``tatblimp score --protocol forced-choice``: a local chat model, or an endpoint with ``--endpoint``."""
-    import os
-
     from .data import load_benchmark
     from .forced_choice import DEFAULT_PROMPT, check_prompt
 
@@ -202,10 +230,9 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
-        source = tokenizer_source(args.model, args.tokenizer)
+        tokenizer_source(args.model, args.tokenizer)  # checks the paths first, loading nothing
         pairs = benchmark()
-        tokenizer = load_tokenizer(source)
-        model = load_model(args.model, args.device, args.dtype)
+        _, tokenizer, model = load_from_args(args, args.model)
         results = evaluate_forced_choice(
             model,
             tokenizer,

@@ -13,14 +13,18 @@ from . import distributed
 from .cache import SentenceCache, build_cache
 from .data import Benchmark
 from .metrics import Results, compute_results
-from .model_checks import weights_label
+from .model_checks import input_device, weights_label
 from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
 from .token_results import pair_tokens
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    return next(unwrap_model(model).parameters()).device
+    """Where the cache goes: the model's device; with a ``device_map`` (``hf_device_map``), its input embeddings'."""
+    lm = unwrap_model(model)
+    if getattr(lm, "hf_device_map", None):
+        return input_device(lm)
+    return next(lm.parameters()).device
 
 
 class Evaluator:

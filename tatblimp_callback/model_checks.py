@@ -96,7 +96,7 @@ def _causal_lm_class_names() -> set[str]:
 
 def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> None:
     """A clear error before any forward pass for meta-device weights or a tokenizer the model cannot embed."""
-    if any(p.is_meta for p in lm.parameters()):
+    if has_missing_weights(lm):
         raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
     largest_token_id = max([int(cache.token_ids.max()), *cache.answer_ids])
     embedding = lm.get_input_embeddings()
@@ -112,6 +112,28 @@ def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> N
             f"tokenizer {cache.tokenizer_name} produces token id {largest_token_id}, but the model's embedding "
             f"has only {embeddings} rows: the tokenizer does not belong to this model"
         )
+
+
+def _offloaded(module: torch.nn.Module) -> bool:
+    """Whether accelerate's hook on ``module`` loads its own weights from CPU or disk offload at each forward."""
+    hook = getattr(module, "_hf_hook", None)
+    return any(getattr(h, "offload", False) for h in getattr(hook, "hooks", [hook]))  # SequentialHook holds several
+
+
+def has_missing_weights(lm: torch.nn.Module) -> bool:
+    """Whether a weight is on the meta device without an accelerate offload hook that brings it in (``device_map``)."""
+    return any(not _offloaded(module) and any(p.is_meta for p in module.parameters(recurse=False)) for module in lm.modules())
+
+
+def input_device(lm: torch.nn.Module) -> torch.device:
+    """Where the model takes its input ids: the input embeddings' device, or the device accelerate's hook
+    runs them on (a ``device_map`` with offload leaves the weight on the meta device)."""
+    embedding = lm.get_input_embeddings()
+    hook = getattr(embedding, "_hf_hook", None)
+    execution = getattr(hook, "execution_device", None)
+    if execution is not None:
+        return torch.device("cpu" if execution == "disk" else execution)
+    return embedding.weight.device
 
 
 def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) -> SentenceCache:
@@ -169,11 +191,14 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
     """
     parts = []
     for parameter in lm.parameters():
+        if parameter.is_meta:  # offloaded to disk or CPU by a device map: read only while its layer runs
+            continue
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         flat = local.detach().reshape(-1)
         if flat.numel() and flat.is_floating_point():
-            parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double())
-    return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+            # To the CPU one by one: a device map leaves the weights on several devices.
+            parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double().cpu())
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def weights_label(lm: torch.nn.Module) -> str | None:
@@ -185,15 +210,17 @@ def weights_label(lm: torch.nn.Module) -> str | None:
     """
     sums = []
     for parameter in lm.parameters():
+        if parameter.is_meta:  # offloaded by a device map: the label names the weights held in memory
+            continue
         local = getattr(parameter, "ds_tensor", None)
         if local is None:
             local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         if local.numel() and local.is_floating_point():
-            sums.append(local.detach().sum(dtype=torch.float64).reshape(1))
+            sums.append(local.detach().sum(dtype=torch.float64).reshape(1).cpu())
     if not sums:
         return None
     digest = hashlib.sha256(weight_fingerprint(lm).numpy().tobytes())
-    digest.update(torch.cat(sums).cpu().numpy().tobytes())
+    digest.update(torch.cat(sums).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

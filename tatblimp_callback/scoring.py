@@ -106,6 +106,8 @@ class Scorer:
         # A sharded model (FSDP, ZeRO-3) must run its own forward, on every process alike; any
         # other runs unwrapped, since a DDP wrapper's forward may broadcast buffers (a collective).
         self.sharded = distributed.is_sharded(model)
+        # Tensor parallel: every process runs every row, each holding a slice of every layer.
+        self.tensor_parallel = distributed.is_tensor_parallel(model)
         # Accelerate wraps a mixed-precision model's forward in autocast; scoring runs the weights'
         # own dtype (fp32 master weights stay exact), and the body and head below do too.
         self._forward = model if self.sharded else getattr(self.lm, "_original_forward", self.lm)
@@ -210,7 +212,9 @@ class Scorer:
     @property
     def head_tile(self) -> tuple[int, int]:
         """(contexts, vocabulary columns) per tile of the LM head: its logits and their float32 work fit the budget."""
-        return head_tile(self.cache.device, self._vocab_size(), self._dtype(), self.memory_budget)
+        weight = self._head_weight()
+        device = weight.device if weight is not None else self.cache.device
+        return head_tile(device, self._vocab_size(), self._dtype(), self.memory_budget)
 
     # -- the computation ------------------------------------------------------------------------
 
@@ -248,7 +252,7 @@ class Scorer:
         dtype = torch.float32 if device.type == "mps" else torch.float64
         matrix = torch.zeros((self.cache.num_sentences, slots), dtype=dtype, device=device)
         layout = self._layout(method, sequences)
-        split = sequences is None
+        split = sequences is None and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
             logprobs = self._batch_logprobs(batch, method.head)
             if not is_filler:
@@ -289,7 +293,12 @@ class Scorer:
         output = self._model_output(batch, head)
         if head == "full_logits":
             return output.float().log_softmax(-1)[batch.score_contexts, batch.score_targets]
-        return head_logprobs(self.lm, output, batch.score_contexts, batch.score_targets, self.head_tile)
+        # Under a device map the head may sit on another device than the last layer and the cache.
+        device = self._head_weight().device
+        logprobs = head_logprobs(
+            self.lm, output.to(device), batch.score_contexts.to(device), batch.score_targets.to(device), self.head_tile
+        )
+        return logprobs.to(self.cache.device)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states ("tiled" head) or the model's logits ("full_logits") at the positions the batch reads."""
@@ -303,7 +312,8 @@ class Scorer:
             output = self._forward(**inputs).logits
         else:
             output = self.lm.base_model(**inputs).last_hidden_state
-        return output.reshape(-1, output.shape[-1]).index_select(0, batch.score_positions)
+        # The hidden states are wherever the last layer left them (under a device map, not the cache's device).
+        return output.reshape(-1, output.shape[-1]).index_select(0, batch.score_positions.to(output.device))
 
     # -- choosing and re-checking the method ----------------------------------------------------
 

@@ -41,7 +41,10 @@ def test_ctrl_c_sends_nothing_more_and_keeps_every_answer(small_data, tmp_path):
         options = ["--endpoint", url, "--model-name", "tiny-chat", "--protocol", "forced-choice", "--data", str(small_data)]
         return ["score", *options, "--allow-modified", "--results", str(answers), "--concurrency", "2"]
 
-    python = [sys.executable, "-c", "import sys; from tatblimp_callback.cli import main; sys.exit(main(sys.argv[1:]))"]
+    # A shell without job control starts background jobs with SIGINT ignored, and a child inherits that: the
+    # child puts back Python's own handler, as a terminal user's process has it.
+    start = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); from tatblimp_callback.cli import main"
+    python = [sys.executable, "-c", f"{start}; sys.exit(main(sys.argv[1:]))"]
     with ChatServer(None, None, slow_answer) as server:
         command = [*python, *score(server.url)]
         package_root = str(Path(tatblimp_callback.__file__).parents[1])  # the package this test imported
