@@ -108,7 +108,8 @@ def shard(batches: Sequence[Any], *, split: bool = True, lockstep: bool = False)
     if size == 1:
         yield from ((batch, False) for batch in batches)
         return
-    shares = assign([b.num_positions for b in batches], size) if split else [list(range(len(batches)))] * size
+    sizes = batches.positions if hasattr(batches, "positions") else [b.num_positions for b in batches]
+    shares = assign(sizes, size) if split else [list(range(len(batches)))] * size
     mine = shares[rank]
     for step in range(max(len(share) for share in shares)):
         check_in()

@@ -93,6 +93,9 @@ class Results:
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
+    # Pairs of the file that could not be scored, left out of every metric: {"file", "line", "reason"} (suites only).
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+    suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
 
     @property
     def acc(self) -> float:
@@ -158,7 +161,12 @@ class Results:
             "outcomes": self.outcomes(),
             "pairs": [asdict(pair) for pair in self.pairs],
             **self.run_info,
+            **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
+
+    def suite_dict(self) -> dict[str, Any]:
+        """``to_dict`` of a suite's results, with its ``left_out`` pairs (the run's facts stay at the top level)."""
+        return {**{k: v for k, v in self.to_dict().items() if k not in self.run_info}, "left_out": self.left_out}
 
     def outcomes(self) -> dict[str, Any]:
         """Every pair's outcome, compactly: ``acc`` and ``acc_norm`` are strings with one character per pair
@@ -217,6 +225,11 @@ class Results:
             )
         if self.truncated_sentences:
             lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
+        if self.left_out:
+            reasons = sorted({entry["reason"] for entry in self.left_out})
+            lines.append(f"{len(self.left_out)} pairs left out of the metrics ({'; '.join(reasons)}); see left_out in the JSON")
+        for name, suite in self.suites.items():
+            lines += ["", f"suite {name}: {suite.benchmark_source}", suite.format_table()]
         return "\n".join(lines)
 
     def phenomenon_table(self) -> tuple[list[str], list[list[Any]]]:

@@ -117,11 +117,12 @@ class Scorer:
     # -- public ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self) -> torch.Tensor:
+    def score(self, sequences: range | list[int] | None = None) -> torch.Tensor:
         """The log-probs of every cached sequence (float64, on the CPU), in cache order.
 
         Sentences: ``[sentences]``, each the sum of its tokens' log-probs. Forced-choice prompts
         (``cache.answer_ids``): ``[prompts, answers]``, each answer token's log-prob after the prompt.
+        ``sequences``: score only these (the others are 0), e.g. one suite of several in the cache.
 
         The model is put in eval mode and back in the mode it was in, also on Ctrl-C. On
         out-of-memory the memory budget is halved and the evaluation retried, down to a floor
@@ -133,18 +134,19 @@ class Scorer:
         self.model.eval()
         try:
             with distributed.shared_failures():
-                return retry_out_of_memory(self, self._attempt)
+                return retry_out_of_memory(self, lambda: self._attempt(sequences))
         finally:
             self.model.train(was_training)
 
-    def _attempt(self) -> torch.Tensor:
+    def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
         self._check_method_when_due()  # its sample is laid out within the budget too
-        return self._readout(self._score_matrix(self.method)).cpu()
+        return self._score_matrix(self.method, sequences, split=True, keep_layout=True).cpu()
 
-    def layout(self, kind: str | None = None) -> Layout:
-        """The row layout used for ``kind`` (default: the chosen method's), built once per budget."""
+    def layout(self, kind: str | None = None, sequences: range | list[int] | None = None) -> Layout:
+        """The row layout used for ``kind`` (default: the chosen method's) and ``sequences`` (default: all), built once per budget."""
         head = self.method.head if self.method else self._heads()[0]
-        return self._layout(ScoringMethod(kind or (self.method.layout if self.method else layouts_to_try(self.lm)[0]), head))
+        kind = kind or (self.method.layout if self.method else layouts_to_try(self.lm)[0])
+        return self._layout(ScoringMethod(kind, head), sequences, keep=True)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -162,10 +164,13 @@ class Scorer:
 
     # -- the computation ------------------------------------------------------------------------
 
-    def _layout(self, method: ScoringMethod, sequences: list[int] | None = None) -> Layout:
-        """The rows of ``method.layout`` for all sequences (built once per budget) or for ``sequences``."""
-        key = (method.layout, self.row_length, self._positions_per_forward(method.head))
-        if sequences is None and key in self._layouts:
+    def _layout(self, method: ScoringMethod, sequences: range | list[int] | None = None, keep: bool = False) -> Layout:
+        """The rows of ``method.layout`` for all sequences or for ``sequences``; kept (once per budget) with ``keep``.
+
+        A layout holds rows of sequence indices only: each batch's tensors are built when it is read.
+        """
+        key = (method.layout, self.row_length, self._positions_per_forward(method.head), None if sequences is None else tuple(sequences))
+        if key in self._layouts:
             return self._layouts[key]
         if self._sequences is None:
             self._sequences = token_lists(self.cache)
@@ -180,28 +185,41 @@ class Scorer:
             answer_ids=self.cache.answer_ids,
             tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
         )
-        if sequences is None:
+        if keep or sequences is None:
             self._layouts[key] = layout
         return layout
 
-    def _score_matrix(self, method: ScoringMethod, sequences: list[int] | None = None) -> torch.Tensor:
-        """[sequences x slots] log-probs, each cell written once (zeros where nothing is read).
+    def _score_matrix(
+        self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
+    ) -> torch.Tensor:
+        """Sentences: [sequences] log-probs; prompts: [prompts x answers]; zeros where nothing is read.
 
-        Across processes the batches are dealt out and the matrices added up (each cell comes from
-        one process, zeros from the others: exact); ``sequences`` (the method check's sample) runs
-        on every process. A filler batch only keeps a sharded model's forward calls in step.
+        A sentence's tokens are all in one batch: its log-probs go into that batch's [sentences x slots]
+        matrix (each cell written once) and are summed there in a fixed order, so nothing held grows
+        with the number of tokens. Across processes (``split``, default: all sequences) the batches are
+        dealt out and the results added up (each value comes from one process, zeros from the others:
+        exact); otherwise (the method check's sample) every process runs them all. A filler batch only
+        keeps a sharded model's forward calls in step.
         """
         device = self.cache.device
-        slots = len(self.cache.answer_ids) or max(self.cache.lengths) - 1
+        answers = len(self.cache.answer_ids)
+        slots = answers or max(self.cache.lengths) - 1
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        matrix = torch.zeros((self.cache.num_sentences, slots), dtype=dtype, device=device)
-        layout = self._layout(method, sequences)
-        split = sequences is None
+        totals = torch.zeros((self.cache.num_sentences, answers) if answers else self.cache.num_sentences, dtype=dtype, device=device)
+        layout = self._layout(method, sequences, keep=keep_layout)
+        split = sequences is None if split is None else split
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
             logprobs = self._batch_logprobs(batch, method.head)
-            if not is_filler:
-                matrix[batch.score_sentences, batch.score_slots] = logprobs.to(dtype)
-        matrix = distributed.sum_over_processes(matrix) if split else matrix
+            if is_filler:
+                continue
+            if answers:
+                totals[batch.score_sentences, batch.score_slots] = logprobs.to(dtype)
+                continue
+            owners, rows = torch.unique(batch.score_sentences, return_inverse=True)
+            matrix = torch.zeros((owners.numel(), slots), dtype=dtype, device=device)
+            matrix[rows, batch.score_slots] = logprobs.to(dtype)
+            totals[owners] = matrix.sum(1)
+        matrix = distributed.sum_over_processes(totals) if split else totals
         if method.layout != "padded":
             matrix = self._rescore_non_finite(matrix, method.head)
         return matrix
@@ -213,14 +231,10 @@ class Scorer:
         attention weights are zero, but zero times NaN is NaN), so only a row of its own tells
         which sequences are really non-finite.
         """
-        bad = (~torch.isfinite(matrix)).any(1).nonzero().flatten().tolist()
+        bad = (~torch.isfinite(matrix)).reshape(len(matrix), -1).any(1).nonzero().flatten().tolist()
         if bad:
             matrix[bad] = self._score_matrix(ScoringMethod("padded", head), bad)[bad]
         return matrix
-
-    def _readout(self, matrix: torch.Tensor) -> torch.Tensor:
-        """Sentences: each row's sum (a fixed-order reduction); prompts: the answers' log-probs as they are."""
-        return matrix if self.cache.answer_ids else matrix.sum(1)
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
         """log p(target | context) of every (context, target) the batch scores, in float32."""
@@ -295,7 +309,7 @@ class Scorer:
         return method
 
     def _matches(self, method: ScoringMethod, sample: list[int], reference: torch.Tensor) -> bool:
-        values = self._readout(self._score_matrix(method, sample))[sample]
+        values = self._score_matrix(method, sample)[sample]
         if self.cache.answer_ids:
             tokens = torch.ones_like(reference)
         else:
