@@ -1,6 +1,7 @@
 """The ``tatblimp`` command.
 
     tatblimp score MODEL_DIR [--data PATH] [--device DEV] [--dtype DTYPE] [--output results.json]
+    tatblimp score MODEL_DIR --suite blimp=DIR [--suite turblimp=DIR]    (more suites in the same pass; see suites.py)
     tatblimp score MODEL_DIR --protocol forced-choice            (a local chat model; see forced_choice.py)
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from .compare import add_compare_parser
 from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
+from .suites import add_suite_arguments, suites_from_args
 from .sweep import add_sweep_parser
 
 
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("model", nargs="?", help="a folder saved with save_pretrained, or a Hub model id (not with --endpoint)")
     add_model_arguments(score)
     score.add_argument("--output", help="write the results as JSON here")
+    add_suite_arguments(score)
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
@@ -47,8 +50,12 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
 
     source = tokenizer_source(model_dir, args.tokenizer)
     tokenizer = load_tokenizer(source)
+    suites = suites_from_args(args)
     model = load_model(model_dir, args.device, args.dtype)
-    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
+    if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
+        benchmark = suites.pop(next(iter(suites)))
+    else:
+        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
     if Path(source).is_dir():
@@ -61,6 +68,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         allow_modified=args.allow_modified,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
+        suites=suites,
     )
     if mismatches is not None:
         results.run_info["sentencepiece_mismatches"] = mismatches

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs
-from .runs import CompareError, Run, load_run, load_runs
+from .runs import CompareError, Run, load_run, load_runs, shared_suites, suite_run
 from .stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 
 __all__ = [
@@ -300,11 +300,27 @@ def add_compare_parser(commands) -> None:
 def run_compare(args: argparse.Namespace) -> None:
     runs = load_runs(args.results, step=args.step)
     comparison = compare_runs(runs, args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound")
+    # Every suite that all the results have, compared pair by pair as TatBLiMP is.
+    suites = {
+        name: compare_runs(
+            [suite_run(run, name) for run in runs], args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound"
+        )
+        for name in shared_suites(runs)
+    }
     print(format_text(comparison))
-    for option, write in (
-        (args.markdown, lambda: format_markdown(comparison)),
-        (args.json, lambda: json.dumps(to_json(comparison), indent=1, ensure_ascii=False) + "\n"),
-    ):
+    for name, suite in suites.items():
+        print(f"\nsuite {name}\n" + format_text(suite))
+
+    def json_text() -> str:
+        payload = {**to_json(comparison), **({"suites": {n: to_json(c) for n, c in suites.items()}} if suites else {})}
+        return json.dumps(payload, indent=1, ensure_ascii=False) + "\n"
+
+    def markdown() -> str:
+        parts = [format_markdown(comparison)]
+        parts += [format_markdown(c).replace("## TatBLiMP comparison", f"## Suite {n}", 1) for n, c in suites.items()]
+        return "\n".join(parts)
+
+    for option, write in ((args.markdown, markdown), (args.json, json_text)):
         if option:
             Path(option).parent.mkdir(parents=True, exist_ok=True)
             Path(option).write_text(write(), encoding="utf-8")

@@ -15,8 +15,8 @@ from . import distributed
 from .cache import SentenceCache, build_cache, concat_caches
 from .data import Benchmark
 from .metrics import Results, compute_results
-from .suites import Suite, load_suite
 from .scoring import Scorer, ScoringMethod, unwrap_model
+from .suites import Suite, load_suite
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -92,7 +92,10 @@ class Evaluator:
         """Build (or move) the cache to the model's device and set up the scorer; done once per model."""
 
         def build(device: torch.device) -> SentenceCache:
-            sources = [(None, self.data, self.cache_path), *((n, s, _suite_cache_path(self.cache_path, n)) for n, s in self.suites.items())]
+            sources = [
+                (None, self.data, self.cache_path),
+                *((n, s, _suite_cache_path(self.cache_path, n)) for n, s in self.suites.items()),
+            ]
             caches = [
                 build_cache(
                     self.tokenizer,
@@ -148,6 +151,8 @@ class Evaluator:
             part = compute_results(scored, logprobs[start:end], run_info)
             if name is None:
                 results = part
+                if isinstance(self.data, Suite):  # a suite scored alone
+                    results.left_out = [dict(entry) for entry in self.data.left_out]
             else:
                 part.left_out = [dict(entry) for entry in self.suites[name].left_out]
                 results.suites[name] = part

@@ -93,8 +93,8 @@ class Results:
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
-    # Pairs of the file that could not be scored, left out of every metric: {"file", "line", "reason"} (suites only).
-    left_out: list[dict[str, Any]] = field(default_factory=list)
+    # A suite's pairs that could not be scored, left out of every metric: {"file", "line", "reason"}; None: not a suite.
+    left_out: list[dict[str, Any]] | None = None
     suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
 
     @property
@@ -161,12 +161,13 @@ class Results:
             "outcomes": self.outcomes(),
             "pairs": [asdict(pair) for pair in self.pairs],
             **self.run_info,
+            **({"left_out": self.left_out} if self.left_out is not None else {}),
             **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
 
     def suite_dict(self) -> dict[str, Any]:
         """``to_dict`` of a suite's results, with its ``left_out`` pairs (the run's facts stay at the top level)."""
-        return {**{k: v for k, v in self.to_dict().items() if k not in self.run_info}, "left_out": self.left_out}
+        return {k: v for k, v in self.to_dict().items() if k not in self.run_info}
 
     def outcomes(self) -> dict[str, Any]:
         """Every pair's outcome, compactly: ``acc`` and ``acc_norm`` are strings with one character per pair

@@ -76,6 +76,10 @@ class Batches(Sequence):
         batch, _ = _make_batch(rows, width, self.sequences, o["pad_id"], o["kind"], o["answer_ids"], o["tree_mask_dtype"])
         return _to_device(batch, o["device"])
 
+    def __iter__(self):
+        for index in range(len(self)):
+            yield self[index]  # not bound to a name here: the previous batch is freed before the next is built
+
     @property
     def positions(self) -> list[int]:
         """Positions (rows x width) of each batch, without building it."""

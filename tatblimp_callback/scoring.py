@@ -169,7 +169,12 @@ class Scorer:
 
         A layout holds rows of sequence indices only: each batch's tensors are built when it is read.
         """
-        key = (method.layout, self.row_length, self._positions_per_forward(method.head), None if sequences is None else tuple(sequences))
+        key = (
+            method.layout,
+            self.row_length,
+            self._positions_per_forward(method.head),
+            None if sequences is None else tuple(sequences),
+        )
         if key in self._layouts:
             return self._layouts[key]
         if self._sequences is None:
@@ -205,20 +210,23 @@ class Scorer:
         answers = len(self.cache.answer_ids)
         slots = answers or max(self.cache.lengths) - 1
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        totals = torch.zeros((self.cache.num_sentences, answers) if answers else self.cache.num_sentences, dtype=dtype, device=device)
+        totals = torch.zeros(
+            (self.cache.num_sentences, answers) if answers else self.cache.num_sentences, dtype=dtype, device=device
+        )
         layout = self._layout(method, sequences, keep=keep_layout)
         split = sequences is None if split is None else split
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self._batch_logprobs(batch, method.head)
+            logprobs = self._batch_logprobs(batch, method.head).to(dtype)
             if is_filler:
-                continue
-            if answers:
-                totals[batch.score_sentences, batch.score_slots] = logprobs.to(dtype)
-                continue
-            owners, rows = torch.unique(batch.score_sentences, return_inverse=True)
-            matrix = torch.zeros((owners.numel(), slots), dtype=dtype, device=device)
-            matrix[rows, batch.score_slots] = logprobs.to(dtype)
-            totals[owners] = matrix.sum(1)
+                pass
+            elif answers:
+                totals[batch.score_sentences, batch.score_slots] = logprobs
+            else:
+                owners, rows = torch.unique(batch.score_sentences, return_inverse=True)
+                matrix = torch.zeros((owners.numel(), slots), dtype=dtype, device=device)
+                matrix[rows, batch.score_slots] = logprobs
+                totals[owners] = matrix.sum(1)
+            del batch, logprobs  # before the next batch is built: one batch's tensors at a time
         matrix = distributed.sum_over_processes(totals) if split else totals
         if method.layout != "padded":
             matrix = self._rescore_non_finite(matrix, method.head)

@@ -177,7 +177,9 @@ def _records(raw: bytes, file: Path):
 
 def _table_records(text: str, file: Path):
     header_line = text.split("\n", 1)[0].rstrip("\r")
-    delimiter = max(",;\t", key=lambda d: (len(next(csv.reader([header_line], delimiter=d))), d == "\t" and file.suffix == ".tsv"))
+    delimiter = max(
+        ",;\t", key=lambda d: (len(next(csv.reader([header_line], delimiter=d))), d == "\t" and file.suffix == ".tsv")
+    )
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     try:
         header = next(reader)
@@ -233,3 +235,50 @@ def _text(record: dict, key: str | None, where: str, *, required: bool) -> str |
         return None
     check_unicode(value, key, where)
     return value
+
+
+def add_suite_arguments(parser) -> None:
+    """``--suite NAME=PATH`` (repeatable), ``--columns [NAME:]ROLE=COLUMN,...`` and ``--suites-only``."""
+    group = parser.add_argument_group("more minimal-pair suites in the same pass (see suites.py)")
+    group.add_argument(
+        "--suite",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also score this suite (a BLiMP/TurBLiMP/MultiBLiMP folder or file, JSONL/CSV/TSV); repeatable",
+    )
+    group.add_argument(
+        "--columns",
+        action="append",
+        default=[],
+        metavar="[NAME:]good=COL,bad=COL[,phenomenon=COL][,subtype=COL]",
+        help="where a suite's fields are, for layouts not detected (NAME: only that suite); repeatable",
+    )
+    group.add_argument(
+        "--suites-only",
+        action="store_true",
+        help="score the suites without TatBLiMP: the first --suite takes TatBLiMP's place at the top of the results",
+    )
+
+
+def suites_from_args(args) -> dict[str, Suite]:
+    """The suites named by ``--suite`` and ``--columns``, read, in the order given.
+
+    Raises:
+        ValueError: a malformed option, a name given twice, ``--columns`` for an unknown suite, ``--suites-only`` alone.
+    """
+    named = [parse_suite_option(text) for text in getattr(args, "suite", None) or []]
+    names = [name for name, _ in named]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--suite: a name given twice ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
+    if getattr(args, "suites_only", False) and not named:
+        raise ValueError("--suites-only needs at least one --suite NAME=PATH")
+    columns: dict[str | None, dict[str, str]] = {}
+    for text in getattr(args, "columns", None) or []:
+        name, sep, mapping = text.partition(":")
+        if not sep:
+            name, mapping = None, text
+        elif name not in names:
+            raise ValueError(f"--columns {text!r}: no --suite named {name!r}")
+        columns[name] = parse_columns(mapping)
+    return {name: load_suite(name, path, columns.get(name, columns.get(None))) for name, path in named}

@@ -24,6 +24,7 @@ from typing import Any
 from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
+from .suites import Suite, add_suite_arguments, load_suite, suites_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class SweepOptions:
 
     truncate: bool = False
     """Cut sentences longer than the model's context instead of failing."""
+
+    suites: dict[str, Any] | None = None
+    """More suites scored in the same pass, ``{name: path or suites.Suite}``; each line gets ``"suites": {name: ...}``."""
 
     include_pairs: bool = False
     """Keep the per-pair list (as in ``score --output``) in each JSONL line; off to keep lines small."""
@@ -149,6 +153,8 @@ class _CheckpointScorer:
         self.benchmark = load_benchmark(options.data, allow_modified=options.allow_modified)
         self._tokenizers: dict[str, tuple[Any, int | None]] = {}  # files key -> (tokenizer, mismatches)
         self._caches: dict[str, Any] = {}  # files key -> SentenceCache
+        self._evaluators: dict[str, Any] = {}  # files key -> Evaluator, when suites share its cache
+        self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (options.suites or {}).items()}
 
     def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
         from .evaluation import Evaluator
@@ -157,22 +163,31 @@ class _CheckpointScorer:
         with _quiet_transformers():  # its per-load progress bars would break the sweep's own
             model = load_model(str(checkpoint.path), self.options.device, self.options.dtype)
         budget = self.options.memory_budget_mb
-        evaluator = Evaluator(
+        evaluator = self._evaluators.get(key) or Evaluator(
             tokenizer,
             self.benchmark,
-            cache=self._caches.get(key),
+            cache=None if self.suites else self._caches.get(key),
             prefix_token_id=self.options.prefix_token_id,
             allow_modified=self.options.allow_modified,
             memory_budget=budget * 2**20 if budget else None,
             truncate=self.options.truncate,
+            suites=self.suites,
         )
-        results = evaluator(model)
-        self._caches[key] = evaluator.cache
+        try:
+            results = evaluator(model)
+        finally:
+            evaluator._scorer = None  # holds the model: freed before the next checkpoint loads
+        if self.suites:
+            self._evaluators[key] = evaluator
+        else:
+            self._caches[key] = evaluator.cache
         record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
         if mismatches is not None:
             record["sentencepiece_mismatches"] = mismatches
         if not self.options.include_pairs:
             record.pop("pairs")
+            for suite in record.get("suites", {}).values():
+                suite.pop("pairs")
         return record
 
     def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:
@@ -338,6 +353,7 @@ def add_sweep_parser(commands) -> None:
     parser = commands.add_parser("sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl")
     parser.add_argument("run_dir", help="folder with checkpoint-<step> (or other *<step>) sub-folders")
     add_model_arguments(parser)
+    add_suite_arguments(parser)
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
     parser.add_argument("--watch", action="store_true", help="keep polling for new checkpoints (stop: Ctrl-C or --max-wait)")
     parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
@@ -351,7 +367,10 @@ def add_sweep_parser(commands) -> None:
 
 
 def run_sweep(args: argparse.Namespace) -> None:
-    options = SweepOptions(**{f.name: getattr(args, f.name) for f in fields(SweepOptions) if hasattr(args, f.name)})
+    names = {f.name for f in fields(SweepOptions) if f.name != "suites"}
+    options = SweepOptions(**{name: getattr(args, name) for name in names if hasattr(args, name)}, suites=suites_from_args(args))
+    if args.suites_only:
+        raise ValueError("sweep scores TatBLiMP with the suites; --suites-only is for score")
     report = sweep(args.run_dir, options)
     print(
         f"{len(report.scored)} checkpoint(s) scored, {len(report.skipped)} already in {report.results_path}"
