@@ -314,7 +314,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--suites", action="store_true", help="TatBLiMP + 16,000 / all BLiMP pairs in one pass (bench_suites.py)")
-    parser.add_argument("--lm-eval-workload", help="--suites: the workload lm-eval scores (default: the largest)")
+    parser.add_argument("--lm-eval-workload", help="--suites: the workload lm-eval scores (default: the last)")
+    parser.add_argument("--suite-pairs", help="--suites: BLiMP pairs added to TatBLiMP, per workload (default: 0,16000,all)")
+    parser.add_argument("--layout-memory", action="store_true", help="--suites: the layouts' tensor bytes only, no scoring")
+    parser.add_argument("--method", default="tree", help="--suites: the scoring method the Evaluator is given (default: tree)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
