@@ -150,6 +150,9 @@ class TatBLiMPCallback(TrainerCallback):
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
+        every = self.suite_every if isinstance(self.suite_every, dict) else {"suite_every": self.suite_every}
+        if any(not isinstance(k, int) or k < 1 for k in every.values()) or set(every) - {"suite_every", *(self.suites or {})}:
+            raise ValueError(f"suite_every must be an int >= 1 or {{suite name: int >= 1}}, got {self.suite_every!r}")
         if self.suites and self.protocol == "forced-choice":
             raise ValueError("suites= are scored by log-probs: use protocol 'logprob' or 'both'")
         self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {})])

@@ -178,7 +178,7 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 def timed_score(scorer: Scorer, sequences: range | list[int] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """``scorer.score(sequences)``, and how it was computed: the method, seconds, padding and sharing, retries."""
     start = time.perf_counter()
-    logprobs = scorer.score(sequences)
+    logprobs = scorer.score() if sequences is None else scorer.score(sequences)  # as before when all are scored
     seconds = time.perf_counter() - start
     layout = scorer.layout(sequences=sequences)
     return logprobs, {

@@ -198,3 +198,13 @@ def test_the_command_line_options(tmp_path):
         suites_from_args(Namespace(suite=[f"x={b}"], columns=["nope:good=A,bad=B"], suites_only=False))
     with pytest.raises(ValueError, match="expected NAME=PATH"):
         suites_from_args(Namespace(suite=["blimp"], columns=[], suites_only=False))
+
+
+def test_the_callback_checks_suite_every():
+    from tatblimp_callback import TatBLiMPCallback
+
+    for wrong in (0, {"other": 2}, {"blimp": 0}):
+        with pytest.raises(ValueError, match="suite_every must be an int >= 1"):
+            TatBLiMPCallback(suites={"blimp": str(BLIMP)}, suite_every=wrong)
+    with pytest.raises(ValueError, match="suites= are scored by log-probs"):
+        TatBLiMPCallback(suites={"blimp": str(BLIMP)}, protocol="forced-choice")
