@@ -153,6 +153,9 @@ class TatBLiMPCallback(TrainerCallback):
         every = self.suite_every if isinstance(self.suite_every, dict) else {"suite_every": self.suite_every}
         if any(not isinstance(k, int) or k < 1 for k in every.values()) or set(every) - {"suite_every", *(self.suites or {})}:
             raise ValueError(f"suite_every must be an int >= 1 or {{suite name: int >= 1}}, got {self.suite_every!r}")
+        clashes = {self.log_prefix, f"{self.log_prefix}_fc"} & set(self.suites or {})
+        if clashes or any("/" in name for name in self.suites or {}):
+            raise ValueError(f"suite names must differ from the log prefix and hold no '/': {sorted(self.suites)}")
         if self.suites and self.protocol == "forced-choice":
             raise ValueError("suites= are scored by log-probs: use protocol 'logprob' or 'both'")
         self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {})])

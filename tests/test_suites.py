@@ -206,5 +206,7 @@ def test_the_callback_checks_suite_every():
     for wrong in (0, {"other": 2}, {"blimp": 0}):
         with pytest.raises(ValueError, match="suite_every must be an int >= 1"):
             TatBLiMPCallback(suites={"blimp": str(BLIMP)}, suite_every=wrong)
+    with pytest.raises(ValueError, match="suite names must differ from the log prefix"):
+        TatBLiMPCallback(suites={"tatblimp": str(BLIMP)})
     with pytest.raises(ValueError, match="suites= are scored by log-probs"):
         TatBLiMPCallback(suites={"blimp": str(BLIMP)}, protocol="forced-choice")
