@@ -40,6 +40,7 @@ from .data import Benchmark
 from .evaluation import Evaluator
 from .forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
 from .metrics import Results
+from .suite_schedule import check_suite_options, suite_history_files, suites_due
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +151,7 @@ class TatBLiMPCallback(TrainerCallback):
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
-        every = self.suite_every if isinstance(self.suite_every, dict) else {"suite_every": self.suite_every}
-        if any(not isinstance(k, int) or k < 1 for k in every.values()) or set(every) - {"suite_every", *(self.suites or {})}:
-            raise ValueError(f"suite_every must be an int >= 1 or {{suite name: int >= 1}}, got {self.suite_every!r}")
-        clashes = {self.log_prefix, f"{self.log_prefix}_fc"} & set(self.suites or {})
-        if clashes or any("/" in name for name in self.suites or {}):
-            raise ValueError(f"suite names must differ from the log prefix and hold no '/': {sorted(self.suites)}")
-        if self.suites and self.protocol == "forced-choice":
-            raise ValueError("suites= are scored by log-probs: use protocol 'logprob' or 'both'")
+        check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
         self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {})])
         self._suite_history_files: dict[str, reporting.HistoryFile] = {}
         self.last_suite_results: dict[str, Results] = {}
@@ -191,7 +185,7 @@ class TatBLiMPCallback(TrainerCallback):
                         "tatblimp: cannot use the history file %s (%s); none is written in this run", self._history_file.path, err
                     )
                     self._history_file = None
-            self._suite_history_files = self._start_suite_history_files()
+            self._suite_history_files = suite_history_files(self._history_file, self.suites, self.history)
             missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
                 self._warned_unreachable = True
@@ -325,7 +319,11 @@ class TatBLiMPCallback(TrainerCallback):
         self._last_step = state.global_step
         rng = _rng_state()
         try:
-            results = self._guarded(self._evaluator, model, self._suites_due()) if self._evaluator is not None else None
+            results = (
+                self._guarded(self._evaluator, model, suites_due(self.suites, self.suite_every, len(self.history)))
+                if self._evaluator is not None
+                else None
+            )
             fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
         finally:
             _set_rng_state(rng)
@@ -388,28 +386,6 @@ class TatBLiMPCallback(TrainerCallback):
             for name in results.suites if results is not None else ():
                 line += f"  {name} acc_norm {metrics[f'{name}/acc_norm']:.4f}"
             reporting.print_line(line)
-
-    def _suites_due(self) -> list[str]:
-        """The suites to score at this evaluation (``suite_every``): the n-th evaluation scores those whose k divides n."""
-        evaluation = len(self.history)  # evaluations done so far in this run, resumed ones included
-        every = self.suite_every if isinstance(self.suite_every, dict) else dict.fromkeys(self.suites or {}, self.suite_every)
-        return [name for name in self.suites or {} if evaluation % max(1, every.get(name, 1)) == 0]
-
-    def _start_suite_history_files(self) -> dict[str, reporting.HistoryFile]:
-        """``<history_file stem>.<name>.jsonl`` per suite, keeping a resumed run's lines up to its checkpoint."""
-        if self._history_file is None:
-            return {}
-        files = {}
-        for name in self.suites or {}:
-            path = self._history_file.path
-            history = reporting.HistoryFile(path.with_name(f"{path.stem}.{name}{path.suffix}"))
-            try:
-                history.start({entry["step"] for entry in self.history if f"{name}/acc" in entry})
-            except (OSError, ValueError) as err:
-                logger.warning("tatblimp: cannot use the history file %s (%s); none is written in this run", history.path, err)
-                continue
-            files[name] = history
-        return files
 
 
 def _rng_state() -> dict[str, Any]:
