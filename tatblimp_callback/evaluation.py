@@ -100,7 +100,7 @@ class Evaluator:
                 build_cache(
                     self.tokenizer,
                     data,
-                    device=device,
+                    device="cpu",  # the parts stay on the host for the results; the fused cache goes to the device
                     prefix_token_id=self.prefix_token_id,
                     allow_modified=self.allow_modified,
                     cache_path=path,
@@ -113,7 +113,7 @@ class Evaluator:
                 (name, replace(cache, token_ids=cache.token_ids.new_empty(0), _host_lengths=cache.lengths), start)
                 for (name, _, _), cache, start in zip(sources, caches, starts)
             ]
-            return concat_caches(caches) if len(caches) > 1 else caches[0]
+            return (concat_caches(caches) if len(caches) > 1 else caches[0]).to(device)
 
         return scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
 

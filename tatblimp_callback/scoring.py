@@ -169,12 +169,8 @@ class Scorer:
 
         A layout holds rows of sequence indices only: each batch's tensors are built when it is read.
         """
-        key = (
-            method.layout,
-            self.row_length,
-            self._positions_per_forward(method.head),
-            None if sequences is None else tuple(sequences),
-        )
+        key = (method.layout, self.row_length, self._positions_per_forward(method.head))
+        key += () if sequences is None else (tuple(sequences),)
         if key in self._layouts:
             return self._layouts[key]
         if self._sequences is None:
