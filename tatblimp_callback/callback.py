@@ -23,6 +23,7 @@ table logged, before the Trainer loads the best checkpoint and its reporters clo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -319,11 +320,10 @@ class TatBLiMPCallback(TrainerCallback):
         self._last_step = state.global_step
         rng = _rng_state()
         try:
-            results = (
-                self._guarded(self._evaluator, model, suites_due(self.suites, self.suite_every, len(self.history)))
-                if self._evaluator is not None
-                else None
-            )
+            evaluator = self._evaluator
+            if self.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
+                evaluator = functools.partial(evaluator, suites=suites_due(self.suites, self.suite_every, len(self.history)))
+            results = self._guarded(evaluator, model) if evaluator is not None else None
             fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
         finally:
             _set_rng_state(rng)
