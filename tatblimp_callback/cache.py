@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import socket
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +27,11 @@ import torch
 from .data import Benchmark, load_benchmark
 from .tokenization import encode_sentences, resolve_prefix_token_id, tokenizer_fingerprint, tokenizer_name
 
+logger = logging.getLogger(__name__)
+
 # 2: only special tokens the tokenizer inserted are stripped (an ordinary prefix token is kept); older caches are rebuilt.
-CACHE_FORMAT = 2
+# 3: the pairs' sentences are kept (for the results' per-pair rows).
+CACHE_FORMAT = 3
 
 
 @dataclass
@@ -50,11 +55,13 @@ class SentenceCache:
     benchmark_source: str
     benchmark_md5: str
     benchmark_release: str
+    benchmark_selection: str | None = None  # which pairs of the file, when not all (``Benchmark.select``)
     truncated: list[int] = field(default_factory=list)  # sentences cut to fit the model's context
     # Forced choice: the answer tokens whose log-probs are read after each prompt; empty: every next token is read.
     answer_ids: tuple[int, ...] = ()
     prompt: str | None = None  # forced choice: the user message template and the system message
     system_prompt: str | None = None
+    sentences: list[str] = field(default_factory=list)  # the pairs' sentences, good then bad (sentence 2*i: pair i's good)
     _host_lengths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -116,6 +123,7 @@ class SentenceCache:
         metadata = {"format": str(CACHE_FORMAT), "fields": json.dumps(self._metadata_fields())}
         # Written aside and renamed: several processes (one per GPU, maybe on several hosts of a shared
         # filesystem, where process ids repeat) may save the same path at once.
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)  # e.g. under an output_dir not made yet
         partial = f"{os.fspath(path)}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.partial"
         save_file(tensors, partial, metadata=metadata)
         os.replace(partial, path)
@@ -141,10 +149,12 @@ class SentenceCache:
             "benchmark_source": self.benchmark_source,
             "benchmark_md5": self.benchmark_md5,
             "benchmark_release": self.benchmark_release,
+            "benchmark_selection": self.benchmark_selection,
             "truncated": list(self.truncated),
             "answer_ids": list(self.answer_ids),
             "prompt": self.prompt,
             "system_prompt": self.system_prompt,
+            "sentences": list(self.sentences),
         }
 
 
@@ -154,6 +164,8 @@ _TENSOR_FIELDS = ("token_ids", "offsets", "byte_lengths", "phenomenon_index", "s
 def cache_fingerprint(benchmark: Benchmark, tokenizer: Any, prefix_token_id: int) -> str:
     """Identifies the (data, tokenizer, prefix) a cache was built from."""
     key = f"{CACHE_FORMAT}:{benchmark.md5}:{tokenizer_fingerprint(tokenizer)}:{prefix_token_id}"
+    if benchmark.selection:  # a subset of the file's pairs (--limit, --phenomena) is another cache
+        key += f":{benchmark.selection}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -189,8 +201,25 @@ def build_cache(
         encoded, benchmark, sentences, prefix_token_id=prefix, tokenizer_name=tokenizer_name(tokenizer), fingerprint=fingerprint
     )
     if cache_path is not None:
-        cache.save(cache_path)
+        save_or_warn(cache, cache_path)
     return cache.to(device)
+
+
+def save_or_warn(cache: SentenceCache, path: str | os.PathLike) -> bool:
+    """Save ``cache`` to ``path`` (its folder made if missing); if it cannot be written, warn and return False.
+
+    The file only saves tokenizing on the next run: a folder that cannot be made, a read-only path or a
+    full disk must not fail the evaluation, which goes on with the cache in memory.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        cache.save(path)
+    except (OSError, SafetensorError) as err:
+        logger.warning("tatblimp: cannot write the tokenized benchmark to %s (%s); it is kept in memory only", path, err)
+        return False
+    return True
 
 
 def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts: list[str], **fields: Any) -> SentenceCache:
@@ -214,6 +243,8 @@ def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts
         benchmark_source=benchmark.source,
         benchmark_md5=benchmark.md5,
         benchmark_release=benchmark.release,
+        benchmark_selection=benchmark.selection,
+        sentences=benchmark.sentences,
         **fields,
     )
 

@@ -26,21 +26,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
 from transformers import TrainerCallback
 
-from . import reporting
+from . import callback_options, distributed, reporting
 from .curves import DEFAULT_THRESHOLD, acquisition_steps
 from .data import Benchmark
 from .evaluation import Evaluator
 from .forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
 from .metrics import Results
+from .model_checks import unwrap_model, weights_label
+from .monitoring_errors import ErrorLog, rng_preserved
 from .suite_schedule import check_suite_options, suite_history_files, suites_due
 
 logger = logging.getLogger(__name__)
@@ -50,8 +48,9 @@ logger = logging.getLogger(__name__)
 class TatBLiMPCallback(TrainerCallback):
     """Scores the model on TatBLiMP every ``eval_steps`` optimizer steps and logs per-phenomenon curves."""
 
-    eval_steps: int = 500
-    """Score every this many global (optimizer) steps."""
+    eval_steps: int | float = 500
+    """Score every this many global (optimizer) steps; a float between 0 and 1 is a fraction of the run's total
+    steps (rounded up), as in ``TrainingArguments.eval_steps``."""
 
     data: Benchmark | str | os.PathLike | None = None
     """Benchmark JSONL path or ``Benchmark``; None: ``$TATBLIMP_DATA``, else the Hub dataset ``ilchats/TatBLiMP``."""
@@ -87,7 +86,8 @@ class TatBLiMPCallback(TrainerCallback):
     """Accept a benchmark file that is not the official release (reported as modified)."""
 
     cache_path: str | os.PathLike | None = None
-    """Save the tokenized benchmark here (safetensors) and reuse it on resume when data and tokenizer match."""
+    """Save the tokenized benchmark here (safetensors) and reuse it on resume when data and tokenizer match;
+    relative to ``output_dir``, like ``history_file``."""
 
     memory_budget: int | None = None
     """Extra bytes one evaluation may use; None: a quarter of free GPU memory, 512 MiB on a CPU."""
@@ -104,6 +104,11 @@ class TatBLiMPCallback(TrainerCallback):
     history_file: str | os.PathLike | None = "tatblimp_history.jsonl"
     """Write each evaluation as a JSON line here (relative to ``output_dir``; main process only), the
     record of a ``tatblimp sweep`` line without "checkpoint": ``tatblimp compare`` reads it. None: no file."""
+
+    report_file: str | os.PathLike | None = None
+    """At the end of training, write this run's HTML report (``tatblimp report`` of ``history_file``) here,
+    relative to ``output_dir`` (main process only), and log it to wandb as an HTML panel, ``<prefix>/report``.
+    Needs ``history_file``. None (default): no report."""
 
     acquisition_threshold: float = DEFAULT_THRESHOLD
     """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
@@ -145,10 +150,11 @@ class TatBLiMPCallback(TrainerCallback):
     (the string "never" there, since wandb drops None)."""
 
     def __post_init__(self):
-        if self.eval_steps < 1:
-            raise ValueError(f"eval_steps must be at least 1, got {self.eval_steps}")
+        self._every = callback_options.check_eval_steps(self.eval_steps)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
+        if self.report_file is not None and self.history_file is None:
+            raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
@@ -157,6 +163,8 @@ class TatBLiMPCallback(TrainerCallback):
         self._suite_history_files: dict[str, reporting.HistoryFile] = {}
         self.last_suite_results: dict[str, Results] = {}
         self._warned_unreachable = False
+        self._started = False  # on_train_begin ran, or an evaluation before train() did its part
+        self._errors = ErrorLog()
         self._start_run([])
 
     @classmethod
@@ -171,12 +179,19 @@ class TatBLiMPCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         self._start_run(state.log_history)
+        self._begin(args, state, model, processing_class, history_file=True)
+        if self.eval_on_start and state.global_step == 0:  # a resumed run has its earlier points already
+            self._score(args, state, control, model)
+
+    def _begin(self, args, state, model, processing_class, history_file: bool) -> None:
+        """Find the Trainer, check the settings, open the history file (``history_file``), build the evaluators."""
+        self._started = True
         self._trainer = self._running_trainer(state)
         if not self.eval_on_evaluate and self._is_our_metric(getattr(args, "metric_for_best_model", None)):
             raise ValueError(
                 f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
             )
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and history_file:
             self._history_file = reporting.HistoryFile.resolve(self.history_file, getattr(args, "output_dir", None))
             if self._history_file is not None:
                 try:
@@ -187,6 +202,7 @@ class TatBLiMPCallback(TrainerCallback):
                     )
                     self._history_file = None
             self._suite_history_files = suite_history_files(self._history_file, self.suites, self.history)
+        if state.is_world_process_zero:
             missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
                 self._warned_unreachable = True
@@ -195,16 +211,15 @@ class TatBLiMPCallback(TrainerCallback):
                     "Add it with TatBLiMPCallback.attach(trainer, ...) instead of callbacks=[...]",
                     ", ".join(missed),
                 )
+        self._every = callback_options.steps_between(self.eval_steps, state.max_steps)
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        self._prepare(tokenizer, model)
-        if self.eval_on_start and state.global_step == 0:  # a resumed run has its earlier points already
-            self._score(args, state, control, model)
+        self._prepare(tokenizer, model, getattr(args, "output_dir", None))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
-        if step % self.eval_steps == 0 or (self.eval_on_end and step >= state.max_steps):
+        if step % self._every == 0 or (self.eval_on_end and step >= state.max_steps):
             self._score(args, state, control, model)
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
@@ -212,13 +227,21 @@ class TatBLiMPCallback(TrainerCallback):
         # and to the best-model selection: keys added here reach all of them, whatever the callbacks' order.
         if not self.eval_on_evaluate or not logs or not reporting.is_evaluation_log(logs):
             return
+        if not self._started:  # trainer.evaluate() before train(): a zero-shot baseline, an evaluation-only script
+            self._start_run(state.log_history)
+            self._begin(args, state, model, kwargs.get("processing_class"), history_file=False)
+        # Trainer.log appended a copy of ``logs`` to log_history (trainer_state.json, the model card) before on_log.
+        copy = reporting.logged_copy(state.log_history, logs)
         metrics = self._score(args, state, control, model)
-        logs.update({f"eval_{key}": value for key, value in metrics.items()})
+        added = {f"eval_{key}": value for key, value in metrics.items()}
         wanted = getattr(args, "metric_for_best_model", None)
         if self._is_our_metric(wanted) and not wanted.startswith("eval_"):
             wanted = f"eval_{wanted}"
         if self._is_our_metric(wanted) and not self._has_results(metrics):
-            logs[wanted] = float("nan")  # scoring failed: never the best, and training goes on
+            added[wanted] = float("nan")  # scoring failed: never the best, and training goes on
+        logs.update(added)
+        if copy is not None:
+            copy.update(added)
 
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
         # The last event before the Trainer loads the best checkpoint and its reporters close
@@ -240,7 +263,12 @@ class TatBLiMPCallback(TrainerCallback):
         self.history = [{"step": e["step"], **{k: v for k, v in e.items() if k != "step"}} for e in ours if self._has_results(e)]
         self.failures = int(max((e.get(f"{self.log_prefix}/failures", 0) for e in ours), default=0))
         self._last_step = ours[-1]["step"] if ours else None
+        self._last_weights: str | None = _RESTORED if ours else None  # the label of the weights tried at _last_step
         self._last_metrics = {k: v for k, v in ours[-1].items() if k != "step"} if ours else {}
+        # The metrics of every set of weights scored in this run, by weights label: a step is not a set of
+        # weights (load_best_model_at_end loads other weights at the same step). Restored entries have no label.
+        self._by_weights: dict[str, dict[str, float]] = {}
+        self._last_results_weights: str | None = None  # the label of the weights ``last_results`` measured
         self.last_results = None
         self.last_fc_results = None
         self.acquisition = {}
@@ -271,7 +299,7 @@ class TatBLiMPCallback(TrainerCallback):
     def _has_results(self, entry: dict[str, Any]) -> bool:
         return f"{self.log_prefix}/acc" in entry or f"{self.log_prefix}_fc/accuracy" in entry
 
-    def _prepare(self, tokenizer, model) -> None:
+    def _prepare(self, tokenizer, model, output_dir: str | None = None) -> None:
         """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same."""
         if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not self.data:
             self._prepared_for = (tokenizer, self.data)
@@ -292,12 +320,23 @@ class TatBLiMPCallback(TrainerCallback):
                     allow_modified=self.allow_modified,
                     memory_budget=self.memory_budget,
                     truncate=self.truncate,
-                    cache_path=self.cache_path,
+                    cache_path=callback_options.under_output_dir(self.cache_path, output_dir),
                     suites=self.suites,
                 )
         for evaluator in (self._fc_evaluator, self._evaluator):
             if evaluator is not None:
-                self._guarded(evaluator.prepare, model)
+                self._prepare_or_say_why(evaluator, model)
+
+    def _prepare_or_say_why(self, evaluator, model) -> None:
+        """Prepare ``evaluator`` now, or say once, with the traceback, why it cannot be; not counted as a failure:
+        each evaluation tries again and counts its own failure (one line when the error is the same)."""
+        try:
+            evaluator.prepare(model)
+        except Exception as error:
+            if self.raise_on_error:
+                raise
+            what = f"cannot score this model; every evaluation will fail and be counted in {self.log_prefix}/failures"
+            self._errors.failed(what, error)
 
     def _finish(self, args, state) -> None:
         """The end of training: acquisition steps, and the wandb table and summary."""
@@ -308,30 +347,49 @@ class TatBLiMPCallback(TrainerCallback):
             self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
             for name, results in self.last_suite_results.items():
                 self._guarded(self._wandb.log_results, name, results, {})
+        if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
+            from .report import report_at_end_of_training
+
+            output = callback_options.under_output_dir(self.report_file, args.output_dir)
+            self._guarded(
+                report_at_end_of_training, self._history_file.path, output, f"{self.log_prefix}/report" if wandb else None
+            )
 
     # -- scoring and logging --------------------------------------------------------------------
 
     def _score(self, args, state, control, model) -> dict[str, float]:
-        """Score the model at this global step (once per step) and log the results; returns the metrics."""
-        if self._last_step == state.global_step:
-            return self._last_metrics
+        """Score the weights the model holds now (once per set of weights, by ``weights_label``) and log them at
+        this global step (once per step); returns their metrics.
+
+        A step is not a set of weights: after ``load_best_model_at_end`` the step is the last one and the
+        weights are the best checkpoint's. Weights scored before give their own numbers again, unscored.
+        """
         if model is None or (self._evaluator is None and self._fc_evaluator is None):
             return {}
-        self._last_step = state.global_step
-        rng = _rng_state()
-        try:
+        weights = _weights_label_or_none(model)
+        new_step = self._last_step != state.global_step
+        # Tried at this step with these weights already (a resumed run's restored point: its checkpoint's, unlabelled).
+        same = weights is None or self._last_weights in (weights, _RESTORED)
+        if distributed.all_agree(not new_step and same):
+            return self._last_metrics
+        known = self._by_weights.get(weights) if weights is not None else None
+        self._last_step, self._last_weights = state.global_step, weights
+        if distributed.all_agree(known is not None):  # these very weights were scored in this run: their numbers
+            self._last_metrics = known
+            if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too
+                self._record(args, state, control, known, self.last_results if self._last_results_weights == weights else None)
+            return known
+        with rng_preserved():
             evaluator = self._evaluator
             if self.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
                 evaluator = functools.partial(evaluator, suites=suites_due(self.suites, self.suite_every, len(self.history)))
             results = self._guarded(evaluator, model) if evaluator is not None else None
             fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
-        finally:
-            _set_rng_state(rng)
         metrics = {}
         if results is not None:
-            self.last_results = results
+            self.last_results, self._last_results_weights = results, weights
             metrics = results.flat_metrics(self.log_prefix)
-            if results.partial:
+            if results.non_finite_pairs:
                 logger.warning(
                     "tatblimp: step %d: %d pairs have non-finite log-probs and are left out of the metrics (%s)",
                     state.global_step,
@@ -349,23 +407,32 @@ class TatBLiMPCallback(TrainerCallback):
         if self.failures:
             metrics[f"{self.log_prefix}/failures"] = float(self.failures)
         self._last_metrics = metrics
-        if results is not None or fc_results is not None:
+        if weights is not None and self._has_results(metrics):  # a failure may pass (out of memory): tried again
+            self._by_weights[weights] = metrics
+        if new_step:
+            self._record(args, state, control, metrics, results)
+        else:  # other weights at a step already on the curve: this evaluation's metrics only, one point per step
+            logger.info(
+                "tatblimp: step %d scored again for other weights (%s); not a second curve point", state.global_step, weights
+            )
+        return metrics
+
+    def _record(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
+        """The curve point of this step: in ``history``, and logged everywhere (main process)."""
+        if self._has_results(metrics):
             self.history.append({"step": state.global_step, **metrics})
         if state.is_world_process_zero and metrics:
             self._log(args, state, control, metrics, results)
-        return metrics
 
     def _guarded(self, function, *arguments):
-        """Run ``function``; unless ``raise_on_error``, log an exception and return None."""
+        """Run ``function``; unless ``raise_on_error``, log and count an exception and return None."""
         try:
             return function(*arguments)
-        except Exception:
+        except Exception as error:
             if self.raise_on_error:
                 raise
             self.failures += 1
-            # The traceback goes in as text: a record holding exc_info would keep the failed
-            # evaluation's frames, and every tensor they reference, alive in any handler that stores records.
-            logger.error("tatblimp: scoring failed (failure %d); training continues\n%s", self.failures, traceback.format_exc())
+            self._errors.failed(f"scoring failed (failure {self.failures}); training continues", error)
             return None
 
     def _log(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
@@ -388,16 +455,11 @@ class TatBLiMPCallback(TrainerCallback):
             reporting.print_line(line)
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+_RESTORED = "restored"  # the weights of a resumed run's last restored point: its checkpoint's
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+def _weights_label_or_none(model) -> str | None:
+    try:
+        return weights_label(unwrap_model(model))
+    except Exception:  # weights that cannot be read (meta): the evaluator says why, and counts it
+        return None

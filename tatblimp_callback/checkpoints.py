@@ -1,7 +1,8 @@
 """The checkpoints of a training run's folder, and when each is complete enough to read.
 
 Checkpoints are the sub-folders of a run folder whose name ends in a step number (the Trainer's
-``checkpoint-<step>``, or ``step_1000``, ``ckpt42``, ...) and that hold a ``config.json``.
+``checkpoint-<step>``, or ``step_1000``, ``ckpt42``, ...) and that hold a ``config.json``, or a PEFT
+adapter's ``adapter_config.json`` (scored on its base model, see ``adapters``).
 
 A checkpoint is read only once it is complete: when its ``trainer_state.json`` exists (the
 Trainer writes it after the weights), or else when it holds a weights file (``model.safetensors``,
@@ -17,9 +18,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .adapters import ADAPTER_WEIGHTS, is_adapter_folder
+
 TRAINER_STATE = "trainer_state.json"
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHTS_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    *ADAPTER_WEIGHTS,
+)
 _STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
+_CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 
 
 class SweepError(RuntimeError):
@@ -37,20 +47,28 @@ class Checkpoint:
 
 
 def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
-    """Sub-folders of ``run_dir`` named with a trailing step number and holding a ``config.json``, by step."""
+    """Sub-folders of ``run_dir`` named with a trailing step number and holding a ``config.json`` (or a PEFT
+    adapter's ``adapter_config.json``), by step."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise SweepError(f"{run_dir}: not a folder")
     by_step: dict[int, Path] = {}
     for child in sorted(run_dir.iterdir()):
         match = _STEP_NAME.match(child.name)
-        if not match or not child.is_dir() or not (child / "config.json").is_file():
+        if not match or not child.is_dir() or not ((child / "config.json").is_file() or is_adapter_folder(child)):
             continue
         step = int(match.group(1))
         if step in by_step:
             raise SweepError(f"{run_dir}: {by_step[step].name} and {child.name} both claim step {step}")
         by_step[step] = child
     return [Checkpoint(step, by_step[step]) for step in sorted(by_step)]
+
+
+def step_of(path: str | os.PathLike | None) -> int | None:
+    """The step of a model folder named as a checkpoint (``runs/x/checkpoint-40``: 40; also ``step_1000``,
+    ``ckpt-5``); None for any other name (``model0`` is not a step)."""
+    match = _CHECKPOINT_NAME.search(Path(path).name) if path else None
+    return int(match.group(1)) if match else None
 
 
 def has_weights(path: Path) -> bool:
@@ -97,3 +115,51 @@ class CheckpointWatcher:
             self._seen[path] = (snapshot, now)
             return False
         return now - previous[1] >= self.interval
+
+
+def no_checkpoints_message(run_dir: str | os.PathLike) -> str:
+    """One line for a folder without checkpoints: what was looked for, and where checkpoints are instead
+    (sub-folders that hold some, or the folder's own run folder when it is itself a checkpoint)."""
+    run_dir = Path(run_dir)
+    message = (
+        f"{run_dir}: no checkpoints found (looked for sub-folders named with a step number, e.g. checkpoint-500, "
+        "holding a config.json or adapter_config.json)"
+    )
+    if (run_dir / "config.json").is_file() or is_adapter_folder(run_dir):
+        message += f"; {run_dir} is itself a checkpoint: score it with `tatblimp score {run_dir}`"
+        if run_dir.resolve() in {c.path.resolve() for c in _checkpoints_or_none(run_dir.resolve().parent)}:
+            message += f", or sweep its run folder {run_dir.parent}"
+        return message
+    holding = [str(folder) for folder in _folders_with_checkpoints(run_dir)]
+    if holding:
+        listed = ", ".join(holding[:5]) + (f" and {len(holding) - 5} more" if len(holding) > 5 else "")
+        return message + f"; these sub-folders hold checkpoints: {listed} (sweep one of them)"
+    unnamed = [child.name for child in _subfolders(run_dir) if _STEP_NAME.match(child.name)]
+    if unnamed:
+        message += f"; {', '.join(unnamed[:5])} {'is' if len(unnamed) == 1 else 'are'} named like one but without either"
+    return message
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return sorted(child for child in folder.iterdir() if child.is_dir())
+    except OSError:
+        return []
+
+
+def _checkpoints_or_none(folder: Path) -> list[Checkpoint]:
+    try:
+        return find_checkpoints(folder)
+    except (OSError, SweepError):
+        return []
+
+
+def _folders_with_checkpoints(run_dir: Path, depth: int = 2) -> list[Path]:
+    """Sub-folders of ``run_dir``, up to ``depth`` levels down, that hold checkpoints (a run folder of runs)."""
+    found = []
+    for child in _subfolders(run_dir):
+        if _checkpoints_or_none(child):
+            found.append(child)
+        elif depth > 1:
+            found += _folders_with_checkpoints(child, depth - 1)
+    return found

@@ -111,7 +111,8 @@ class ForcedChoiceResults:
         """A plain-text table like the benchmark card's forced-choice table, per phenomenon."""
         width = max(len(name) for name in [*self.phenomena, "overall"])
         rule = "-" * (width + 42)
-        lines = [f"{self.benchmark_release}  forced choice, both orderings  model: {self.model}"]
+        dtype = f"  dtype: {self.run_info['dtype']}" if self.run_info.get("dtype") else ""
+        lines = [f"{self.benchmark_release}  forced choice, both orderings{dtype}  model: {self.model}"]
         lines.append(f"{'phenomenon':<{width}}  {'pairs':>5}  {'accuracy':>8}  {'both-orders':>11}  {'A share':>7}")
         lines.append(rule)
         rows = [*self.phenomena.items(), ("overall", self.overall)]

@@ -6,8 +6,14 @@
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
     tatblimp compare RESULTS... [--markdown out.md] [--plot out.png]      (see compare.py)
+    torchrun --nproc-per-node N -m tatblimp_callback sweep RUN_DIR        (checkpoints shared out: sweep_processes.py)
+    torchrun --nproc-per-node N -m tatblimp_callback score MODEL --tp-plan auto
+    tatblimp explain MODEL_DIR --pair N | --phenomenon NAME --worst K     (see explain.py)
+    tatblimp report RESULTS... --output report.html [--model MODEL_DIR]   (see report.py)
 
-A failure exits with status 1 and a one-line message on stderr, not a traceback.
+A failure exits with status 1 and a one-line message on stderr, not a traceback. Everything that can be
+checked without the model (paths, options) is checked before it loads; output files are written before the
+tables are printed, and a closed stdout (``| head``) is not an error.
 """
 
 from __future__ import annotations
@@ -15,31 +21,73 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
+from . import __version__, distributed
 from .compare import add_compare_parser
+from .explain import add_explain_parser
 from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
+from .outputs import check_output_file, say, silence_stdout, write_text
+from .placement import placement_options
+from .report import add_report_parser
 from .suites import add_suite_arguments, suites_from_args
 from .sweep import add_sweep_parser
+
+VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tatblimp", description="Score causal LMs on TatBLiMP minimal pairs.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the scorer decides")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    parser.add_argument("--version", action="version", version=f"tatblimp {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     score = commands.add_parser("score", help="score one model and print the per-phenomenon table")
     score.add_argument("model", nargs="?", help="a folder saved with save_pretrained, or a Hub model id (not with --endpoint)")
     add_model_arguments(score)
+    score.add_argument(
+        "--limit", type=int, metavar="N", help="score only the first N pairs of each phenomenon (a quick run; marked partial)"
+    )
+    score.add_argument(
+        "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
+    )
     score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument("--revision", help="a Hub model's branch, tag or commit (default: main)")
+    score.add_argument(
+        "--tp-plan",
+        choices=("auto",),
+        help="under torchrun: split each layer over the processes (transformers' tensor parallelism); process 0 writes",
+    )
+    score.add_argument(
+        "--include-tokens",
+        action="store_true",
+        help="add each pair's token log-probs, token texts and edit span to pairs[i] of --output (see diagnostics docs)",
+    )
     add_suite_arguments(score)
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
     add_sweep_parser(commands)
     add_compare_parser(commands)
+    add_explain_parser(commands)
+    add_report_parser(commands)
+    for command in commands.choices.values():  # -v after the command too; SUPPRESS keeps a -v given before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
+
+
+def load_from_args(args: argparse.Namespace, model_dir: str):
+    """(tokenizer source, tokenizer, model) for ``model_dir`` with the loader options in ``args``.
+
+    ``--revision`` and ``--trust-remote-code`` apply to the tokenizer too when it comes from the model.
+    """
+    source = tokenizer_source(model_dir, args.tokenizer)
+    placement = placement_options(args)
+    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
+    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
+    return source, tokenizer, load_model(model_dir, args.device, args.dtype, **placement)
 
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
@@ -48,14 +96,13 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     from .evaluation import evaluate
     from .tokenization import check_sentencepiece_mismatch
 
-    source = tokenizer_source(model_dir, args.tokenizer)
-    tokenizer = load_tokenizer(source)
+    tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing
     suites = suites_from_args(args)
-    model = load_model(model_dir, args.device, args.dtype)
     if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
         benchmark = suites.pop(next(iter(suites)))
     else:
-        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
+        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+    source, tokenizer, model = load_from_args(args, model_dir)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
     if Path(source).is_dir():
@@ -69,6 +116,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
         suites=suites,
+        include_tokens=getattr(args, "include_tokens", False),
     )
     if mismatches is not None:
         results.run_info["sentencepiece_mismatches"] = mismatches
@@ -76,21 +124,35 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
 
 
 def write_json(path: str, payload) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+
+
+def report(results, output: str | None) -> None:
+    """Write ``results`` to ``output`` (if given), then print the table."""
+    if output:
+        write_json(output, results.to_dict())
+    say(results.format_table())
+    if output:
+        say(f"wrote {output}")
 
 
 def run_score(args: argparse.Namespace) -> None:
+    check_output_file(args.output, "--output")
+    if args.endpoint is None and args.protocol == "forced-choice" and not args.model:
+        args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
     if args.endpoint or args.protocol == "forced-choice":
         return run_forced_choice(args)
     if not args.model:
         raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
     results = evaluate_from_args(args, args.model)
     results.run_info["model"] = args.model
-    print(results.format_table())
-    if args.output:
-        write_json(args.output, results.to_dict())
-        print(f"wrote {args.output}")
+    if args.tp_plan and distributed.world()[0] != 0:
+        return  # every process scored the same rows; process 0 reports
+    report(results, args.output)
+    if results.pair_tokens is not None:
+        from .token_results import edit_margins, format_edit_margins
+
+        say(format_edit_margins(edit_margins(results.pair_tokens, [p.phenomenon for p in results.pairs])))
 
 
 def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +170,12 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
         help="UTF-8 file with the user message, {a} and {b} for the sentences (default: forced_choice.DEFAULT_PROMPT)",
     )
     group.add_argument("--system-prompt", help="a system message before each prompt (default: none)")
-    group.add_argument("--endpoint", metavar="URL", help="an OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    group.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://localhost:8000/v1 (default with --protocol forced-choice "
+        "and no model folder: $OPENAI_BASE_URL)",
+    )
     group.add_argument("--model-name", help="the model field of each endpoint request")
     group.add_argument(
         "--api-key-env",
@@ -127,13 +194,16 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_forced_choice(args: argparse.Namespace) -> None:
     """``tatblimp score --protocol forced-choice``: a local chat model, or an endpoint with ``--endpoint``."""
-    import os
-
+    from .data import load_benchmark
     from .forced_choice import DEFAULT_PROMPT, check_prompt
 
     if args.protocol != "forced-choice":
         raise ValueError("--endpoint needs --protocol forced-choice (chat endpoints give no sentence log-probabilities)")
     prompt = check_prompt(Path(args.prompt_file).read_text(encoding="utf-8")) if args.prompt_file else DEFAULT_PROMPT
+
+    def benchmark():  # after the options are checked, before a model loads or a request is sent
+        return load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+
     if args.endpoint:
         from .endpoint import ChatClient, evaluate_endpoint
 
@@ -155,7 +225,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         )
         results = evaluate_endpoint(
             client,
-            args.data,
+            benchmark(),
             prompt=prompt,
             system_prompt=args.system_prompt,
             results_path=args.results,
@@ -168,22 +238,20 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
-        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
-        model = load_model(args.model, args.device, args.dtype)
+        tokenizer_source(args.model, args.tokenizer)  # checks the paths first, loading nothing
+        pairs = benchmark()
+        _, tokenizer, model = load_from_args(args, args.model)
         results = evaluate_forced_choice(
             model,
             tokenizer,
-            args.data,
+            pairs,
             prompt=prompt,
             system_prompt=args.system_prompt,
             allow_modified=args.allow_modified,
             memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         )
         results.model = args.model
-    print(results.format_table())
-    if args.output:
-        write_json(args.output, results.to_dict())
-        print(f"wrote {args.output}")
+    report(results, args.output)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         args.run(args)
+    except BrokenPipeError:  # stdout closed by its reader (| head): the files are written; the rest is not wanted
+        silence_stdout()
     except KeyboardInterrupt:
         print("tatblimp: interrupted", file=sys.stderr)
         return 130

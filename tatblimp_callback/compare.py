@@ -19,11 +19,13 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs
-from .runs import CompareError, Run, load_run, load_runs, shared_suites, suite_run
+from .checkpoints import step_of
+from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
+from .flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
+from .outputs import check_output_file, say, write_text
+from .runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from .stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 
 __all__ = [
@@ -81,6 +83,13 @@ def compare_runs(
                 f"the results were scored on different benchmark files (md5 {listed}); their pairs cannot be compared "
                 "pair by pair (--no-paired shows them side by side)"
             )
+        selections = {run.label: run.record.get("selection") for run in runs}  # --limit, --phenomena
+        if len(set(selections.values())) > 1:
+            listed = ", ".join(f"{label}: {selection or 'all pairs'}" for label, selection in selections.items())
+            raise CompareError(
+                f"the results cover different pairs ({listed}); they cannot be compared pair by pair "
+                "(--no-paired shows them side by side)"
+            )
         for run in runs:
             if run is not base:
                 try:
@@ -104,12 +113,44 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
         }
         for run in comparison.runs
     ]
-    paired = [
-        {"baseline": comparison.baseline.label, "run": label, **asdict(test)}
-        for label, tests in comparison.tests.items()
-        for test in tests
-    ]
+    paired = []
+    by_label = {run.label: run for run in comparison.runs}
+    groups = comparison.baseline.outcomes.groups() if comparison.tests else {}
+    for label, tests in comparison.tests.items():
+        for test in tests:
+            a, b = getattr(comparison.baseline.outcomes, test.metric), getattr(by_label[label].outcomes, test.metric)
+            flipped = flips(a, b, None if test.group == "overall" else groups[test.group])
+            paired.append(
+                {
+                    "baseline": comparison.baseline.label,
+                    "run": label,
+                    **asdict(test),
+                    "baseline_only_pairs": flipped.lost,
+                    "run_only_pairs": flipped.learned,
+                }
+            )
     return {"runs": runs, "paired": paired}
+
+
+def format_flips_text(comparison: Comparison, data: str | None = None) -> str:
+    """``--flips``: for each run against the baseline and each metric, the lost and learned pairs with their
+    sentences; for each sweep, per phenomenon, the pairs never learned and the unstable ones (acc_norm)."""
+    if not comparison.tests:
+        raise CompareError("--flips compares pair by pair: give at least two results, without --no-paired")
+    base = comparison.baseline
+    sentences = pair_sentences(base.record, data)
+    lines = []
+    for run in comparison.runs:
+        if run is base:
+            continue
+        for metric in METRICS:
+            flipped = flips(getattr(base.outcomes, metric), getattr(run.outcomes, metric))
+            lines += ["", *format_flips(flipped, base.outcomes.phenomena, sentences, base.label, run.label, metric)]
+    for run in comparison.runs:
+        if run.is_sweep and len(run.history) > 1:
+            outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records_up_to_step]
+            lines += ["", *format_sweep_flips(run.label, sweep_flips(outcomes), "acc_norm")]
+    return "\n".join(lines).lstrip("\n")
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -266,11 +307,23 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
 
 
 def plot_comparison(runs: list[Run], path: str | os.PathLike, threshold: float = DEFAULT_THRESHOLD) -> None:
-    """Curves over steps of every sweep among ``runs`` (overall acc_norm, then each phenomenon), with 95% bands."""
-    sweeps = {run.label: run.history for run in runs if run.is_sweep}
-    if not sweeps:
+    """Curves over steps of every sweep among ``runs`` (overall acc_norm, then each phenomenon), with 95% bands.
+
+    A single result is a marker at its step (its ``step``, else the step number of its ``checkpoint-<step>``
+    model folder), or, with no step to be found, a horizontal line.
+    """
+    if not any(run.is_sweep for run in runs):
         raise CompareError("--plot draws curves over steps: give at least one sweep file (tatblimp.jsonl)")
-    plot_runs(sweeps, path, threshold=threshold, title="TatBLiMP acc_norm over training (bands: 95% intervals)")
+    curves, levels = {}, {}
+    for run in runs:
+        step = None if run.is_sweep else run.record.get("step", step_of(run.record.get("model")))
+        if run.is_sweep:
+            curves[run.label] = run.history
+        elif step is not None:
+            curves[run.label] = [{**run.record, "step": step}]
+        else:
+            levels[run.label] = run.record
+    plot_runs(curves, path, threshold=threshold, levels=levels, title="TatBLiMP acc_norm over training (95% intervals)")
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -293,13 +346,24 @@ def add_compare_parser(commands) -> None:
     parser.add_argument("--json", help="write the runs and every paired test as JSON here")
     parser.add_argument("--markdown", help="also write the tables as Markdown here")
     parser.add_argument("--plot", help="draw the sweeps' curves with 95%% bands to this image (needs matplotlib)")
+    parser.add_argument(
+        "--flips",
+        action="store_true",
+        help="list the pairs each run lost and learned against the baseline, and each sweep's never-learned and unstable pairs",
+    )
+    parser.add_argument("--data", help="the benchmark file, for the sentences of --flips (default: the one the results name)")
     add_acquisition_arguments(parser)
     parser.set_defaults(run=run_compare)
 
 
 def run_compare(args: argparse.Namespace) -> None:
+    for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        check_output_file(path, option)
+    if args.plot:
+        require_matplotlib()  # before the work, not after the tables
     runs = load_runs(args.results, step=args.step)
     comparison = compare_runs(runs, args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound")
+    flipped = format_flips_text(comparison, args.data) if args.flips else None  # its errors before any output
     # Every suite that all the results have, compared pair by pair as TatBLiMP is.
     suites = {
         name: compare_runs(
@@ -307,9 +371,6 @@ def run_compare(args: argparse.Namespace) -> None:
         )
         for name in shared_suites(runs)
     }
-    print(format_text(comparison))
-    for name, suite in suites.items():
-        print(f"\nsuite {name}\n" + format_text(suite))
 
     def json_text() -> str:
         payload = {**to_json(comparison), **({"suites": {n: to_json(c) for n, c in suites.items()}} if suites else {})}
@@ -320,11 +381,19 @@ def run_compare(args: argparse.Namespace) -> None:
         parts += [format_markdown(c).replace("## TatBLiMP comparison", f"## Suite {n}", 1) for n, c in suites.items()]
         return "\n".join(parts)
 
+    # The files first: a reader that closes stdout early (| head) must not cost them.
+    written = []
     for option, write in ((args.markdown, markdown), (args.json, json_text)):
         if option:
-            Path(option).parent.mkdir(parents=True, exist_ok=True)
-            Path(option).write_text(write(), encoding="utf-8")
-            print(f"wrote {option}")
+            write_text(option, write())
+            written.append(option)
     if args.plot:
         plot_comparison(runs, args.plot, args.threshold)
-        print(f"wrote {args.plot}")
+        written.append(args.plot)
+    say(format_text(comparison))
+    for name, suite in suites.items():
+        say(f"\nsuite {name}\n" + format_text(suite))
+    if flipped is not None:
+        say("\n" + flipped)
+    for path in written:
+        say(f"wrote {path}")

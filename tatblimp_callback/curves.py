@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .data import OFFICIAL_ORDER
+
 DEFAULT_THRESHOLD = 0.75
 
 
@@ -56,9 +58,12 @@ def acquisition_steps(
 ) -> dict[str, int | None]:
     """``acquisition_step`` of every phenomenon's ``{prefix}/<phenomenon>/{metric}`` curve.
 
+    ``history`` is flat entries (``TatBLiMPCallback.history``) or records with ``step`` and ``Results.to_dict()``'s
+    keys (the lines of a sweep's or the callback's history file), as ``plot_curves`` takes.
     With ``use_lower_bound`` the curve is the lower end of its 95% interval (``..._ci_low``): acquired
     means above the threshold with 95% confidence. A history without those keys raises ValueError.
     """
+    history = as_history(history, prefix)
     steps = {}
     for name in phenomena_in(history, metric, prefix):
         key = f"{prefix}/{name}/{metric}"
@@ -100,6 +105,12 @@ def _flat_intervals(flat: dict[str, Any], start: str, group: Mapping[str, Any]) 
             flat[f"{start}{metric}_ci_low"], flat[f"{start}{metric}_ci_high"] = group[f"{metric}_ci"]
 
 
+def as_history(entries: Sequence[Mapping[str, Any]], prefix: str = "tatblimp") -> list[Mapping[str, Any]]:
+    """``entries`` as history entries: records with ``Results.to_dict()``'s keys go through ``flat_record``,
+    flat entries stay as they are."""
+    return [flat_record(entry, prefix) if "phenomena" in entry else entry for entry in entries]
+
+
 def history_from_records(records: Sequence[Mapping[str, Any]], prefix: str = "tatblimp") -> list[dict[str, Any]]:
     """A history (sorted by step) from sweep records."""
     return sorted((flat_record(r, prefix) for r in records), key=lambda entry: entry["step"])
@@ -128,14 +139,97 @@ def plot_runs(
     title: str | None = None,
     threshold: float | None = DEFAULT_THRESHOLD,
     prefix: str = "tatblimp",
+    levels: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Draw several runs' curves over steps (one line per run) to an image file (PNG, SVG, PDF, ...).
 
-    The first panel is the overall ``{prefix}/{metric}``; then one panel per phenomenon. Where the
-    history has a curve's interval (``<key>_ci_low``, ``<key>_ci_high``) it is drawn as a band around the
-    line. A dashed line marks ``threshold`` (None: no line). A history may also be records with
-    ``Results.to_dict()``'s keys (see ``plot_curves``). Needs matplotlib (``pip install tatblimp-callback[plot]``).
+    The first panel is the overall ``{prefix}/{metric}``; then one panel per phenomenon, in the benchmark's
+    order. Where the history has a curve's interval (``<key>_ci_low``, ``<key>_ci_high``) it is drawn as a band
+    around the line (an error bar for a run of one point, drawn as a large marker). A dashed line marks
+    ``threshold`` (None: no line), a dotted one chance (0.5); the legend names every line. A history may also be
+    records with ``Results.to_dict()``'s keys (see ``plot_curves``). ``levels``: results without a step
+    (label -> entry or record), each drawn as a horizontal line. Needs matplotlib
+    (``pip install tatblimp-callback[plot]``).
     """
+    plt = require_matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
+    levels = {label: as_history([entry], prefix)[0] for label, entry in (levels or {}).items()}
+    if not any(runs.values()) and not levels:
+        raise ValueError("nothing to plot: every history is empty")
+    runs = {label: as_history(history, prefix) for label, history in runs.items()}
+    names: dict[str, None] = {}
+    for history in [*runs.values(), list(levels.values())]:
+        names.update(dict.fromkeys(phenomena_in(history, metric, prefix)))
+    panels = [("overall", f"{prefix}/{metric}")] + [(name, f"{prefix}/{name}/{metric}") for name in benchmark_order(names)]
+    columns = min(4, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.4 * rows + 0.8), squeeze=False)
+    colors = dict(zip([*runs, *levels], plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10))
+    for axis, (name, key) in zip(axes.flat, panels):
+        for label, history in runs.items():
+            _draw_run(axis, label, history, key, colors[label])
+        for label, entry in levels.items():
+            if key in entry:
+                axis.axhline(entry[key], color=colors[label], linestyle="-.", linewidth=1.2, label=f"{label} (no step)")
+        if threshold is not None:
+            axis.axhline(threshold, color="grey", linestyle="--", linewidth=0.8, label=f"threshold ({threshold:g})")
+        axis.axhline(0.5, color="darkgrey", linestyle=":", linewidth=0.8, label="chance (0.5)")
+        axis.set_ylim(-0.02, 1.02)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_title(name, fontsize=8, fontweight="bold" if name == "overall" else "normal")
+        axis.tick_params(labelsize=7)
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.axis("off")
+    figure.supxlabel("step", fontsize=8)
+    figure.supylabel(metric, fontsize=8)
+    handles = {}
+    for axis in axes.flat:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    order = [*runs, *(f"{label} (no step)" for label in levels)]  # the runs first, then the reference lines
+    legend = {
+        label: handles[label] for label in sorted(handles, key=lambda name: order.index(name) if name in order else len(order))
+    }
+    height = figure.get_figheight()  # inches: the title and the legend above the panels take fixed room
+    figure.suptitle(title or f"TatBLiMP {metric}", fontsize=10, y=1 - 0.08 / height, va="top")
+    columns = len(legend) if len(legend) <= 5 else 4
+    figure.legend(
+        legend.values(), legend.keys(), loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / height), ncol=columns, fontsize=7
+    )
+    figure.tight_layout(rect=(0, 0, 1, 1 - (0.3 + 0.16 * math.ceil(len(legend) / columns)) / height))
+    figure.savefig(os.fspath(path), dpi=110)
+    plt.close(figure)
+
+
+def _draw_run(axis, label: str, history: Sequence[Mapping[str, Any]], key: str, color: str) -> None:
+    """One run's curve of ``key`` in one panel: a line with its interval band, or a marker with an error bar."""
+    points = sorted((entry["step"], entry[key]) for entry in history if key in entry)
+    if not points:
+        return
+    steps, values = zip(*points)
+    band = sorted((e["step"], e[f"{key}_ci_low"], e[f"{key}_ci_high"]) for e in history if f"{key}_ci_low" in e)
+    if len(points) == 1:  # a single result: a marker at its step
+        error = None
+        if band:
+            error = [[values[0] - band[0][1]], [band[0][2] - values[0]]]
+        axis.errorbar(steps, values, yerr=error, color=color, marker="D", markersize=5, capsize=2, linewidth=1, label=label)
+        return
+    axis.plot(steps, values, color=color, marker="o", markersize=2.5, linewidth=1.2, label=label, gid=f"curve:{label}:{key}")
+    if band:
+        band_steps, lows, highs = zip(*band)
+        axis.fill_between(band_steps, lows, highs, color=color, alpha=0.2, linewidth=0)
+
+
+def benchmark_order(names: Iterable[str]) -> list[str]:
+    """Phenomenon names in the order of the official benchmark file; others after them, in the order given."""
+    official = {name: index for index, name in enumerate(OFFICIAL_ORDER)}
+    names = list(names)
+    return sorted(names, key=lambda name: (official.get(name, len(official)), names.index(name)))
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` with the Agg backend; ImportError with the install line when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -143,42 +237,7 @@ def plot_runs(
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ImportError("plotting needs matplotlib: pip install 'tatblimp-callback[plot]'") from err
-
-    if not runs or not any(runs.values()):
-        raise ValueError("nothing to plot: every history is empty")
-    runs = {label: [flat_record(e, prefix) if "phenomena" in e else e for e in history] for label, history in runs.items()}
-    phenomena: dict[str, None] = {}
-    for history in runs.values():
-        phenomena.update(dict.fromkeys(phenomena_in(history, metric, prefix)))
-    panels = [("overall", f"{prefix}/{metric}")] + [(name, f"{prefix}/{name}/{metric}") for name in phenomena]
-    columns = min(4, len(panels))
-    rows = math.ceil(len(panels) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(3.2 * columns, 2.4 * rows), squeeze=False)
-    for axis, (name, key) in zip(axes.flat, panels):
-        for label, history in runs.items():
-            points = sorted((entry["step"], entry[key]) for entry in history if key in entry)
-            if points:
-                steps, values = zip(*points)
-                (line,) = axis.plot(steps, values, marker="o", markersize=2.5, linewidth=1.2, label=label)
-                band = sorted((e["step"], e[f"{key}_ci_low"], e[f"{key}_ci_high"]) for e in history if f"{key}_ci_low" in e)
-                if band:
-                    band_steps, lows, highs = zip(*band)
-                    axis.fill_between(band_steps, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
-        if threshold is not None:
-            axis.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
-        axis.axhline(0.5, color="lightgrey", linestyle=":", linewidth=0.8)
-        axis.set_ylim(-0.02, 1.02)
-        axis.set_title(name, fontsize=8, fontweight="bold" if name == "overall" else "normal")
-        axis.tick_params(labelsize=7)
-    for axis in list(axes.flat)[len(panels) :]:
-        axis.axis("off")
-    figure.supxlabel("step", fontsize=8)
-    if len(runs) > 1:
-        axes.flat[0].legend(fontsize=6)
-    figure.suptitle(title or f"TatBLiMP {metric}", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(os.fspath(path), dpi=110)
-    plt.close(figure)
+    return plt
 
 
 def add_acquisition_arguments(parser) -> None:

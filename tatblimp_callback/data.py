@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HUB_REPO_ID = "ilchats/TatBLiMP"
@@ -39,6 +40,26 @@ OFFICIAL_PHENOMENA = {
     "suspended_affixation": 47,
     "word_order": 75,
 }
+
+# The phenomena in the order of the official file (OFFICIAL_PHENOMENA is alphabetical); plots follow it.
+OFFICIAL_ORDER = (
+    "anaphor_agreement",
+    "argument_structure_transitive",
+    "argument_structure_ditransitive",
+    "binding",
+    "ellipsis_gapping",
+    "irregular_forms",
+    "island_effects",
+    "nominalization",
+    "npi_licensing",
+    "passives",
+    "quantifiers",
+    "relative_clauses",
+    "word_order",
+    "subject_verb_agreement",
+    "suspended_affixation",
+    "numeral_noun_number",
+)
 
 _SENTENCE_FIELDS = (("good", "bad"), ("sentence_good", "sentence_bad"))
 _PHENOMENON_FIELDS = ("phenomenon", "linguistics_term", "UID")
@@ -69,6 +90,9 @@ class Benchmark:
     pairs: tuple[Pair, ...]
     source: str
     md5: str
+    selection: str | None = None
+    """Set when only some of the file's pairs are kept (``select``): which ones, e.g. "first 5 pairs of each
+    phenomenon"; results of such a benchmark are partial."""
 
     @property
     def official(self) -> bool:
@@ -76,7 +100,40 @@ class Benchmark:
 
     @property
     def release(self) -> str:
-        return OFFICIAL_RELEASE if self.official else f"modified (md5 {self.md5})"
+        release = OFFICIAL_RELEASE if self.official else f"modified (md5 {self.md5})"
+        return f"{release}, partial: {self.selection}" if self.selection else release
+
+    def select(self, limit: int | None = None, phenomena: Sequence[str] | str | None = None) -> Benchmark:
+        """The first ``limit`` pairs of each phenomenon, of the ``phenomena`` named (None: all), for a quick run.
+
+        Args:
+            limit: pairs kept of each phenomenon, in file order; None: all.
+            phenomena: names to keep, a sequence or one comma-separated string; None: all.
+
+        Returns:
+            A benchmark with ``selection`` saying what was kept (its results are partial); this one when both are None.
+
+        Raises:
+            BenchmarkError: a limit below 1 or an unknown phenomenon.
+        """
+        if isinstance(phenomena, str):
+            phenomena = [name.strip() for name in phenomena.split(",") if name.strip()]
+        if limit is None and not phenomena:
+            return self
+        if limit is not None and limit < 1:
+            raise BenchmarkError(f"limit must be at least 1, got {limit}")
+        unknown = [name for name in phenomena or () if name not in self.phenomena]
+        if unknown:
+            raise BenchmarkError(f"{self.source}: no phenomenon {', '.join(unknown)} (phenomena: {', '.join(self.phenomena)})")
+        kept, seen = [], dict.fromkeys(self.phenomena, 0)
+        for pair in self.pairs:
+            if (not phenomena or pair.phenomenon in phenomena) and (limit is None or seen[pair.phenomenon] < limit):
+                seen[pair.phenomenon] += 1
+                kept.append(pair)
+        what = [f"first {limit} pair{'s' * (limit != 1)} of each phenomenon" if limit is not None else None]
+        what.append(f"phenomena {','.join(name for name in self.phenomena if name in phenomena)}" if phenomena else None)
+        selection = "; ".join(filter(None, [self.selection, *what]))
+        return replace(self, pairs=tuple(kept), selection=f"{selection} ({len(kept)} of {len(self.pairs)} pairs)")
 
     @property
     def phenomena(self) -> list[str]:

@@ -80,6 +80,20 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters())
 
 
+def is_tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s layers are split over processes by tensor parallelism (DTensor weights, no FSDP),
+    as transformers' ``tp_plan`` does: each forward adds up every process's partial result, so every
+    process must feed it the same rows."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def assign(costs: Sequence[int], world_size: int) -> list[list[int]]:
     """Batch indices per rank, balanced by cost: the largest batch goes to the least-loaded rank.
 

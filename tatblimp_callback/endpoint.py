@@ -16,13 +16,14 @@ partly failed run is resumed, not repeated.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from .forced_choice import (
     all_item_messages,
     compute_choice_results,
 )
+from .jsonl import read_complete_lines
+from .provenance import provenance
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,7 @@ def evaluate_endpoint(
         "tatblimp_forced_choice": RESULTS_FORMAT,
         "model": client.model_name,
         "benchmark_md5": benchmark.md5,
+        "benchmark_selection": benchmark.selection,  # --limit/--phenomena: item k is another pair's
         "prompt": prompt,
         "system_prompt": system_prompt,
     }
@@ -191,41 +195,47 @@ def evaluate_endpoint(
     pending = [k for k in range(len(conversations)) if k not in texts]
     sink = _open_results(Path(results_path), header) if results_path else None
     failed: list[tuple[int, str]] = []
-    stop = threading.Event()
 
-    def ask(k: int) -> str:
-        if stop.is_set():
-            raise EndpointError("stopped after a fatal error")
-        return client.ask(conversations[k])
+    def keep(k: int, text: str) -> None:
+        """An answer, saved as it arrives: an interrupted run keeps every answer it paid for."""
+        texts[k] = text
+        if sink is not None:
+            record = {"item": k, "pair": k // 2, "order": ORDERS[k % 2], "text": text, "answer": parse_answer(text)}
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.flush()
+        if bar is not None:
+            bar.update(1)
 
     bar = _progress(progress, len(conversations), resumed)
     start = time.perf_counter()
+    # At most ``concurrency`` requests exist at any time: on Ctrl-C or a rejected request nothing more is sent,
+    # and the few already on their way are waited for and kept (a queue of all items would send them all first).
+    queue = iter(pending)
+    in_flight: dict[Future, int] = {}
     try:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futures = {pool.submit(ask, k): k for k in pending}
-            for future in as_completed(futures):
-                k = futures[future]
-                try:
-                    texts[k] = future.result()
-                except EndpointRejected:
-                    stop.set()
-                    pool.shutdown(cancel_futures=True)
-                    raise
-                except EndpointError as err:
-                    failed.append((k, str(err)))
-                    continue
-                if sink is not None:
-                    record = {
-                        "item": k,
-                        "pair": k // 2,
-                        "order": ORDERS[k % 2],
-                        "text": texts[k],
-                        "answer": parse_answer(texts[k]),
-                    }
-                    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    sink.flush()
-                if bar is not None:
-                    bar.update(1)
+            try:
+                while True:
+                    while len(in_flight) < concurrency and (k := next(queue, None)) is not None:
+                        in_flight[pool.submit(client.ask, conversations[k])] = k
+                    if not in_flight:
+                        break
+                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        k = in_flight.pop(future)
+                        try:
+                            keep(k, future.result())
+                        except EndpointRejected:
+                            raise
+                        except EndpointError as err:
+                            failed.append((k, str(err)))
+            except BaseException:  # Ctrl-C, a rejected request: keep what is still on its way, send nothing more
+                _keep_answers_in_flight(in_flight, keep)
+                if results_path:
+                    logger.warning(
+                        "tatblimp: stopped; %d answers are in %s, a rerun asks only the rest", len(texts), results_path
+                    )
+                raise
     finally:
         if sink is not None:
             sink.close()
@@ -246,22 +256,25 @@ def evaluate_endpoint(
         "requests": len(pending),
         "resumed_items": resumed,
         "retries": client.retries,
+        **provenance(),  # no local model: dtype and device are None
     }
     return compute_choice_results(
         benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, run_info=extra
     )
 
 
+def _keep_answers_in_flight(in_flight: dict[Future, int], keep) -> None:
+    """Wait for the requests already sent and ``keep`` each answer that comes back."""
+    for future, k in in_flight.items():
+        with contextlib.suppress(Exception):  # the run is stopping anyway; a failed item is asked again by a rerun
+            keep(k, future.result())
+
+
 def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
     """Replies already in a results file; an error if it was written for another model, benchmark or prompt."""
     if not path.exists() or path.stat().st_size == 0:
         return {}
-    raw = path.read_bytes()
-    if not raw.endswith(b"\n"):
-        # A line cut short when a run was killed mid-write: drop it, that item is asked again.
-        raw = raw[: raw.rfind(b"\n") + 1]
-        path.write_bytes(raw)
-    lines = raw.decode("utf-8").splitlines()
+    lines = read_complete_lines(path)  # a line cut short when a run was killed mid-write: that item is asked again
     if not lines:
         return {}
     try:
@@ -270,7 +283,7 @@ def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
         found = None
     if not isinstance(found, dict) or found.get("tatblimp_forced_choice") != RESULTS_FORMAT:
         raise EndpointError(f"{path}: not a tatblimp forced-choice results file; choose another results path")
-    for key in ("model", "benchmark_md5", "prompt", "system_prompt"):
+    for key in ("model", "benchmark_md5", "benchmark_selection", "prompt", "system_prompt"):
         if found.get(key) != header[key]:
             raise EndpointError(
                 f"{path} holds answers for a different {key.replace('_', ' ')} ({found.get(key)!r}, now {header[key]!r}); "

@@ -15,12 +15,19 @@ from . import distributed
 from .cache import SentenceCache, build_cache, concat_caches
 from .data import Benchmark
 from .metrics import Results, compute_results
+from .model_checks import input_device, weights_label
+from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
 from .suites import Suite, load_suite
+from .token_results import pair_tokens
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    return next(unwrap_model(model).parameters()).device
+    """Where the cache goes: the model's device; with a ``device_map`` (``hf_device_map``), its input embeddings'."""
+    lm = unwrap_model(model)
+    if getattr(lm, "hf_device_map", None):
+        return input_device(lm)
+    return next(lm.parameters()).device
 
 
 class Evaluator:
@@ -55,6 +62,8 @@ class Evaluator:
             next to it, as ``<stem>.<name><suffix>``).
         suites: more suites to score in the same pass, ``{name: path or Suite}`` (a path is read with
             ``suites.load_suite``); their results are in ``results.suites[name]``.
+        include_tokens: also give each pair's token log-probs, token texts and edit span
+            (``Results.pair_tokens``, see ``token_results``); the texts need ``tokenizer``.
     """
 
     def __init__(
@@ -70,6 +79,7 @@ class Evaluator:
         method: ScoringMethod | str | None = None,
         cache_path: str | os.PathLike | None = None,
         suites: Mapping[str, Suite | str | os.PathLike] | None = None,
+        include_tokens: bool = False,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
@@ -86,6 +96,7 @@ class Evaluator:
         self.cache_path = cache_path
         self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (suites or {}).items()}
         self._parts: list[tuple[str | None, SentenceCache, int]] = []  # (suite name or None, its cache, first sentence)
+        self.include_tokens = include_tokens
         self._scorer: Scorer | None = None
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
@@ -131,7 +142,10 @@ class Evaluator:
             scorer = self.prepare(model)
         if not self._parts:  # a prebuilt cache: TatBLiMP alone
             logprobs, run_info = timed_score(scorer)
-            return compute_results(scorer.cache, logprobs, run_info)
+            results = compute_results(scorer.cache, logprobs, run_info)
+            if self.include_tokens:
+                results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
+            return results
         wanted = list(self.suites) if suites is None else list(suites)
         unknown = sorted(set(wanted) - set(self.suites))
         if unknown:
@@ -151,6 +165,10 @@ class Evaluator:
             part = compute_results(scored, logprobs[start:end], run_info)
             if name is None:
                 results = part
+                if self.include_tokens:  # TatBLiMP's own pairs: the first sentences of the fused cache
+                    n = cache.num_sentences
+                    own = replace(scorer.cache, token_ids=scorer.cache.token_ids[: int(scorer.cache.offsets[n])], offsets=scorer.cache.offsets[: n + 1], _host_lengths=None)
+                    results.pair_tokens = pair_tokens(own, scorer.token_logprobs()[:n], self.tokenizer)
                 if isinstance(self.data, Suite):  # a suite scored alone
                     results.left_out = [dict(entry) for entry in self.data.left_out]
             else:
@@ -163,20 +181,27 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     """``evaluator._scorer`` for ``model``, made once per model (``Scorer(model, cache, **options)``).
 
     The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
-    and moved there when it is elsewhere.
+    and moved there when it is elsewhere; the scorer is made again when the model moved to another
+    device or dtype since it was made.
     """
     device = model_device(model)
+    if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
+        device = torch.device("cpu")
     if evaluator.cache is None:
         evaluator.cache = build(device)
     elif evaluator.cache.device != device:
         evaluator.cache = evaluator.cache.to(device)
-    if evaluator._scorer is None or evaluator._scorer.model is not model:
+    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its own.
+    if evaluator._scorer is None or not evaluator._scorer.serves(model):
         evaluator._scorer = Scorer(model, evaluator.cache, **options)
     return evaluator._scorer
 
 
 def timed_score(scorer: Scorer, sequences: range | list[int] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score(sequences)``, and how it was computed: the method, seconds, padding and sharing, retries."""
+    """``scorer.score(sequences)``, and how it was computed: the method, seconds, padding and sharing, retries,
+    ``weights``, the label (``model_checks.weights_label``) of the weights it measured, and what made it
+    (``provenance``: versions, dtype, device, date)."""
+    weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score() if sequences is None else scorer.score(sequences)  # as before when all are scored
     seconds = time.perf_counter() - start
@@ -188,6 +213,8 @@ def timed_score(scorer: Scorer, sequences: range | list[int] | None = None) -> t
         "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
         "oom_retries": scorer.oom_retries,
         "method_replacements": scorer.method_replacements,
+        "weights": weights,
+        **provenance(scorer.model),
     }
 
 

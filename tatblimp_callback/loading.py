@@ -2,7 +2,8 @@
 
 Shared by the commands that load a model (``tatblimp score`` and ``tatblimp sweep``), with the
 options they have in common. A name that is not an existing folder or file is taken as a Hub id
-only if it can be one; ``/data/my-model`` that does not exist is "no such folder", not a Hub error.
+only if it can be one; ``/data/my-model``, ``./x``, ``a/b/c`` that do not exist, and ``runs/nope`` where
+``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
+from .placement import add_placement_arguments
 from .tokenization import SentencePieceTokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -28,6 +31,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
     parser.add_argument("--memory-budget-mb", type=int, help="extra memory one evaluation may use")
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
+    add_placement_arguments(parser)
 
 
 def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
@@ -43,6 +47,9 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
         return path
     if path.exists():
         raise FileNotFoundError(f"{name}: a file, not a {what} folder")
+    first = Path(path.parts[0]) if len(path.parts) > 1 and not path.is_absolute() and path.parts[0] != ".." else None
+    if first is not None and first.is_dir():  # runs/nope next to a folder runs/: a mistyped path, not a Hub id
+        raise FileNotFoundError(f"{name}: no such {what} folder (not taken as a Hub id: {first} is a local folder)")
     try:
         validate_repo_id(str(name))
     except HFValidationError:
@@ -50,27 +57,85 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
     return None
 
 
-def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32"):
-    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``.
+def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32", **placement):
+    """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``; a
+    folder with a PEFT adapter only (``adapters``) is loaded on its base model as a ``PeftModel``.
 
-    ``device`` None: cuda if available, else cpu. ``dtype``: one of ``DTYPES``.
+    Args:
+        name_or_path: the model's folder or Hub id.
+        device: None: cuda if available, else cpu. Not used with ``device_map`` or ``tp_plan``, which
+            place the weights themselves.
+        dtype: one of ``DTYPES``.
+        **placement: ``device_map``, ``max_memory``, ``offload_folder``, ``tp_plan``, ``trust_remote_code``,
+            ``revision``, ``attn_implementation`` (``placement.from_pretrained_options``).
+
+    Raises:
+        FileNotFoundError: a folder that does not exist or holds no ``config.json``.
+        OSError: a Hub id that cannot be loaded.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .placement import from_pretrained_options
+
     folder = check_folder_or_hub_id(name_or_path, "model")
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    if folder is not None and is_adapter_folder(folder):  # a LoRA checkpoint: loaded on its base model
+        return load_adapter_model(folder, torch_dtype).to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     if folder is not None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
+    if folder is not None:
+        from .model_checks import check_causal_config
+
+        check_causal_config(folder)
+    options = from_pretrained_options(**placement)
+    try:
+        model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype, **options)
+    except ValueError as err:
+        if "custom code" not in str(err) or options["trust_remote_code"]:
+            raise
+        raise ValueError(
+            f"{name_or_path}: the model's architecture is Python code in its folder or repository; read it, then pass "
+            "--trust-remote-code (trust_remote_code=True) to run it"
+        ) from err
+    except Exception as err:
+        damaged = damaged_weight_file(folder) if folder is not None else None
+        if damaged is None:
+            raise
+        raise OSError(f"{damaged[0]}: cannot be read, the weights file is damaged or incomplete ({damaged[1]})") from err
+    if "device_map" in options or "distributed_config" in options:
+        return model.eval()  # placed by accelerate's dispatch or by the tensor-parallel plan
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = _from_folder_or_hub(AutoModelForCausalLM.from_pretrained, name_or_path, folder, dtype=torch_dtype)
     return model.to(device).eval()
 
 
-def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
+def damaged_weight_file(folder: Path) -> tuple[Path, str] | None:
+    """The first weights file of ``folder`` that cannot be opened, and why; None when every one opens.
+
+    Reads headers only (safetensors) or maps the file (torch ``.bin``), so it is cheap next to a load.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(os.fspath(path), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:
+            return path, str(err).splitlines()[0] if str(err) else type(err).__name__
+    for path in sorted(folder.glob("*.bin")):
+        try:
+            torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:
+            return path, str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, **hub_options) -> Any:
     """A raw ``SentencePieceTokenizer`` for a ``.model`` file, else ``AutoTokenizer.from_pretrained``.
 
     The tokenizer's ``name_or_path`` is ``name_or_path`` as given, so results name the tokenizer used.
+    ``hub_options`` (``revision``, ``trust_remote_code``) go to ``AutoTokenizer.from_pretrained``.
     """
     path = Path(name_or_path)
     if path.is_file() and path.suffix == ".model":
@@ -84,7 +149,8 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
-    tokenizer = _from_folder_or_hub(AutoTokenizer.from_pretrained, name_or_path, folder)
+    hub_options = {key: value for key, value in hub_options.items() if value}
+    tokenizer = _from_folder_or_hub(AutoTokenizer.from_pretrained, name_or_path, folder, **hub_options)
     tokenizer.name_or_path = str(name_or_path)
     return tokenizer
 
@@ -111,6 +177,9 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str:
     if tokenizer is not None:
         return tokenizer
     if model_folder is not None and not has_tokenizer_files(model_folder):
+        base = adapter_base_model(model_folder) if is_adapter_folder(model_folder) else None
+        if base is not None and (not Path(base).is_dir() or has_tokenizer_files(base)):
+            return base  # a PEFT adapter saved without its tokenizer: its base model's
         raise FileNotFoundError(
             f"the model folder {model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
             "pass --tokenizer with a tokenizer folder, a Hub id or a SentencePiece .model file"

@@ -22,6 +22,7 @@ import numpy as np
 
 from .cache import SentenceCache
 from .stats import encode_outcomes, format_interval, run_lengths, wilson_interval
+from .token_results import add_token_fields
 
 
 @dataclass
@@ -62,6 +63,8 @@ class PairResult:
     bad_bytes: int
     phenomenon: str
     subtype: str | None
+    good: str = ""  # the sentences ("" for a cache written before they were kept)
+    bad: str = ""
 
     @property
     def finite(self) -> bool:
@@ -92,10 +95,13 @@ class Results:
     tokens: int  # scored tokens over all sentences
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
+    selection: str | None = None  # which pairs were scored when not all (--limit, --phenomena); None: all
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
     # A suite's pairs that could not be scored, left out of every metric: {"file", "line", "reason"}; None: not a suite.
     left_out: list[dict[str, Any]] | None = None
     suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
+    # Per-pair token log-probs, texts and edit spans (``token_results.PairTokens``), when asked for.
+    pair_tokens: list[Any] | None = None
 
     @property
     def acc(self) -> float:
@@ -126,8 +132,9 @@ class Results:
 
     @property
     def partial(self) -> bool:
-        """True when some pairs are left out of the metrics (non-finite log-probs): the metrics cover the rest."""
-        return self.overall.non_finite > 0
+        """True when the metrics do not cover the whole benchmark: some pairs had non-finite log-probs and are
+        left out, or only some were scored (``selection``)."""
+        return self.overall.non_finite > 0 or self.selection is not None
 
     @property
     def bits_per_byte_good(self) -> float:
@@ -136,8 +143,8 @@ class Results:
         return -sum(p.good_logprob for p in finite) / math.log(2) / max(sum(p.good_bytes for p in finite), 1)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON written by ``tatblimp score --output``."""
-        return {
+        """The JSON written by ``tatblimp score --output`` (with ``pair_tokens``: their fields in ``pairs[i]``)."""
+        record = {
             "acc": self.acc,
             "acc_norm": self.acc_norm,
             "acc_ci": list(self.acc_ci),
@@ -149,6 +156,7 @@ class Results:
             "non_finite_pairs": self.overall.non_finite,
             "non_finite_sentences": self.non_finite_sentences,
             "partial": self.partial,
+            "selection": self.selection,
             "truncated_sentences": self.truncated_sentences,
             "bits_per_byte_good": self.bits_per_byte_good,
             "tokens": self.tokens,
@@ -159,11 +167,12 @@ class Results:
             "phenomena": {name: group.to_dict() for name, group in self.phenomena.items()},
             "subtypes": {name: group.to_dict() for name, group in self.subtypes.items()},
             "outcomes": self.outcomes(),
-            "pairs": [asdict(pair) for pair in self.pairs],
+            "pairs": [{**asdict(pair), "passed": pair.passed, "passed_norm": pair.passed_norm} for pair in self.pairs],
             **self.run_info,
             **({"left_out": self.left_out} if self.left_out is not None else {}),
             **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
+        return record if self.pair_tokens is None else add_token_fields(record, self.pair_tokens)
 
     def suite_dict(self) -> dict[str, Any]:
         """``to_dict`` of a suite's results, with its ``left_out`` pairs (the run's facts stay at the top level)."""
@@ -192,6 +201,7 @@ class Results:
             metrics[f"{prefix}/{name}/acc_norm"] = group.acc_norm
         if self.partial:  # flagged: the metrics above leave these pairs out
             metrics[f"{prefix}/partial"] = 1.0
+        if self.overall.non_finite:
             metrics[f"{prefix}/non_finite_pairs"] = float(self.overall.non_finite)
             metrics[f"{prefix}/non_finite_sentences"] = float(self.non_finite_sentences)
             for name, group in self.phenomena.items():
@@ -204,7 +214,8 @@ class Results:
     def format_table(self) -> str:
         """A plain-text table like the benchmark card's: each phenomenon, then overall, with 95% intervals."""
         width = max(len(name) for name in [*self.phenomena, "overall"])
-        lines = [f"{self.benchmark_release}  tokenizer: {self.tokenizer}"]
+        dtype = f"  dtype: {self.run_info['dtype']}" if self.run_info.get("dtype") else ""
+        lines = [f"{self.benchmark_release}{dtype}  tokenizer: {self.tokenizer}"]
         lines.append(f"{'phenomenon':<{width}}  {'n':>5}  {'acc':>6}  {'95% CI':<14}  {'acc_norm':>8}  {'95% CI':<14}")
         rule = "-" * (width + 59)
 
@@ -275,6 +286,8 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
                 bad_bytes=int(bad_bytes[i]),
                 phenomenon=cache.phenomena[phenomenon_index[i]],
                 subtype=cache.subtypes[subtype_index[i]] if subtype_index[i] >= 0 else None,
+                good=cache.sentences[2 * i] if cache.sentences else "",
+                bad=cache.sentences[2 * i + 1] if cache.sentences else "",
             )
             for i in range(len(good))
         ],
@@ -285,6 +298,7 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
         tokens=int(tokens.sum()),
         bytes=int(byte_lengths.sum()),
         truncated_sentences=len(cache.truncated),
+        selection=cache.benchmark_selection,
         run_info=dict(run_info or {}),
     )
 

@@ -9,8 +9,12 @@ moved enough to check the method again.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -41,19 +45,95 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def check_causal_lm(lm: torch.nn.Module) -> None:
+    """ScoringError up front for a model that does not predict each token from the earlier ones (BERT, T5, ...).
+
+    A class of transformers' own counts as a causal LM when ``AutoModelForCausalLM`` can build it; a class
+    from elsewhere (remote code, a user's subclass) is taken at its word unless its config says encoder-decoder.
+    """
+    cls = type(lm)
+    from_transformers = cls.__module__.startswith("transformers.")
+    encoder_decoder = getattr(getattr(lm, "config", None), "is_encoder_decoder", False)
+    if encoder_decoder or (from_transformers and cls.__name__ not in _causal_lm_class_names()):
+        raise ScoringError(
+            f"{cls.__name__} is not a causal language model: TatBLiMP needs log p(token | earlier tokens), "
+            "which only a model loadable with AutoModelForCausalLM gives"
+        )
+
+
+def check_causal_config(folder: str | os.PathLike) -> None:
+    """ScoringError before loading when the ``config.json`` in ``folder`` describes no causal LM: an encoder-decoder
+    (T5) or a model saved as a masked LM (``BertForMaskedLM``), which ``AutoModelForCausalLM`` would refuse
+    with an error about configuration classes, or load as a decoder it never was."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with it
+    architectures = config.get("architectures") or [] if isinstance(config, dict) else []
+    not_causal = set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) | set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
+    causal = _causal_lm_class_names()
+    named = [a for a in architectures if isinstance(a, str)]
+    if (isinstance(config, dict) and config.get("is_encoder_decoder")) or (
+        named and all(a in not_causal and a not in causal for a in named)
+    ):
+        what = ", ".join(named) or f"a {config.get('model_type')} model"
+        raise ScoringError(
+            f"{folder} holds {what}, not a causal language model: TatBLiMP needs log p(token | earlier tokens), "
+            "which only a model loadable with AutoModelForCausalLM gives"
+        )
+
+
+def _causal_lm_class_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> None:
     """A clear error before any forward pass for meta-device weights or a tokenizer the model cannot embed."""
-    if any(p.is_meta for p in lm.parameters()):
+    if has_missing_weights(lm):
         raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
     largest_token_id = max([int(cache.token_ids.max()), *cache.answer_ids])
     embedding = lm.get_input_embeddings()
     # A sharded weight's local shape is a shard's (ZeRO-3, FSDP1); num_embeddings is the real count.
     embeddings = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
+    if not cache.answer_ids and not 0 <= cache.prefix_token_id < embeddings:  # the caller's choice, not the tokenizer's
+        raise ScoringError(
+            f"prefix token id {cache.prefix_token_id} is not a token of the model (its embedding has {embeddings} rows); "
+            "pass a prefix_token_id below that (tatblimp: --prefix-token-id), or none for the tokenizer's BOS/EOS"
+        )
     if largest_token_id >= embeddings:
         raise ScoringError(
             f"tokenizer {cache.tokenizer_name} produces token id {largest_token_id}, but the model's embedding "
             f"has only {embeddings} rows: the tokenizer does not belong to this model"
         )
+
+
+def _offloaded(module: torch.nn.Module) -> bool:
+    """Whether accelerate's hook on ``module`` loads its own weights from CPU or disk offload at each forward."""
+    hook = getattr(module, "_hf_hook", None)
+    return any(getattr(h, "offload", False) for h in getattr(hook, "hooks", [hook]))  # SequentialHook holds several
+
+
+def has_missing_weights(lm: torch.nn.Module) -> bool:
+    """Whether a weight is on the meta device without an accelerate offload hook that brings it in (``device_map``)."""
+    return any(not _offloaded(module) and any(p.is_meta for p in module.parameters(recurse=False)) for module in lm.modules())
+
+
+def input_device(lm: torch.nn.Module) -> torch.device:
+    """Where the model takes its input ids: the input embeddings' device, or the device accelerate's hook
+    runs them on (a ``device_map`` with offload leaves the weight on the meta device)."""
+    embedding = lm.get_input_embeddings()
+    hook = getattr(embedding, "_hf_hook", None)
+    execution = getattr(hook, "execution_device", None)
+    if execution is not None:
+        return torch.device("cpu" if execution == "disk" else execution)
+    return embedding.weight.device
 
 
 def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) -> SentenceCache:
@@ -72,9 +152,11 @@ def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) ->
             f"tokens, more than the model's context of {context}; a prompt cannot be cut without losing the question"
         )
     if not truncate:
+        too_long = sum(length > context for length in cache.lengths)
         raise ScoringError(
-            f"pair {k // 2} ({'good' if k % 2 == 0 else 'bad'} sentence) has {longest} tokens, "
-            f"more than the model's context of {context}; pass truncate=True to cut such sentences"
+            f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than the model's context of {context} "
+            f"(the longest, pair {k // 2}'s {'good' if k % 2 == 0 else 'bad'} sentence, has {longest}); "
+            "pass truncate=True (tatblimp: --truncate) to cut them"
         )
     cut = cache.cut_to(context)
     logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(cut.truncated), context)
@@ -109,11 +191,37 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
     """
     parts = []
     for parameter in lm.parameters():
+        if parameter.is_meta:  # offloaded to disk or CPU by a device map: read only while its layer runs
+            continue
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         flat = local.detach().reshape(-1)
         if flat.numel() and flat.is_floating_point():
-            parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double())
-    return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+            # To the CPU one by one: a device map leaves the weights on several devices.
+            parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double().cpu())
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def weights_label(lm: torch.nn.Module) -> str | None:
+    """16 hex digits that name the model's weights as they are now: a hash of ``weight_fingerprint`` and of
+    every weight tensor's sum (so a change outside the sampled values shows too); one read of the weights.
+
+    Equal labels: the same weights, bit for bit, in all but astronomically unlikely cases. Of a sharded
+    weight, this process's shard (DeepSpeed ZeRO-3's partition); None when this process holds none.
+    """
+    sums = []
+    for parameter in lm.parameters():
+        if parameter.is_meta:  # offloaded by a device map: the label names the weights held in memory
+            continue
+        local = getattr(parameter, "ds_tensor", None)
+        if local is None:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        if local.numel() and local.is_floating_point():
+            sums.append(local.detach().sum(dtype=torch.float64).reshape(1).cpu())
+    if not sums:
+        return None
+    digest = hashlib.sha256(weight_fingerprint(lm).numpy().tobytes())
+    digest.update(torch.cat(sums).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:

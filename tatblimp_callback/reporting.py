@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from .jsonl import read_complete_lines
 from .metrics import Results
 
 # report_to names whose callbacks log nothing that we send (emissions trackers, ...).
@@ -144,7 +145,7 @@ class HistoryFile:
         """Keep only the lines of ``kept_steps`` (a resumed run's steps up to its checkpoint; none for a new run)."""
         if not self.path.exists():
             return
-        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in read_complete_lines(self.path) if line.strip()]
         kept = [line for line in lines if json.loads(line).get("step") in kept_steps]
         self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
@@ -154,6 +155,14 @@ class HistoryFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def logged_copy(log_history: list[dict[str, Any]], logs: dict[str, Any]) -> dict[str, Any] | None:
+    """The entry ``Trainer.log`` appended to ``log_history`` for ``logs`` (a copy, with "step"), if it is the last."""
+    entry = log_history[-1] if log_history else None
+    if entry is None or not all(key in entry and (entry[key] is value or entry[key] == value) for key, value in logs.items()):
+        return None
+    return entry
 
 
 def is_evaluation_log(logs: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .jsonl import split_lines
 from .stats import Outcomes
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
@@ -49,10 +50,17 @@ class Run:
             raise CompareError(f"{self.path}: no step {step} (steps: {', '.join(map(str, steps))})")
         self.step = step
         self.__dict__.pop("outcomes", None)
+        self.__dict__.pop("history", None)
+
+    @property
+    def records_up_to_step(self) -> list[dict[str, Any]]:
+        """The sweep's records through the compared step (all of them when it is the last)."""
+        return [r for r in self.records if self.step is None or r["step"] <= self.step]
 
     @cached_property
     def history(self) -> list[dict[str, Any]]:
-        return history_from_records(self.records) if self.is_sweep else []
+        """The curves through the compared step: what was known when those weights were scored."""
+        return history_from_records(self.records_up_to_step) if self.is_sweep else []
 
     def acquisition(self, threshold: float = DEFAULT_THRESHOLD, use_lower_bound: bool = False) -> dict[str, int | None]:
         if not self.is_sweep:
@@ -101,7 +109,7 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
 
 def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -118,6 +126,11 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
 
 
 def _check_record(record: Any, where: str) -> None:
+    if isinstance(record, dict) and record.get("protocol") == "forced-choice":
+        raise CompareError(
+            f"{where}: a forced-choice result (score --protocol forced-choice); compare takes log-prob results "
+            "(score --output without --protocol, sweep and callback history lines)"
+        )
     if not isinstance(record, dict) or not {"acc", "acc_norm", "phenomena"} <= record.keys():
         raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
 

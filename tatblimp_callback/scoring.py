@@ -31,6 +31,7 @@ from .memory_budget import (
 )
 from .model_checks import (
     ScoringError,
+    check_causal_lm,
     check_weights_and_vocabulary,
     fit_to_context,
     forward_reads_position_ids,
@@ -47,7 +48,7 @@ from .scoring_method import (
     layouts_to_try,
     relative_tolerance,
 )
-from .tiled_head import head_logprobs, head_tile
+from .tiled_head import head_logprobs, head_tile, plain_head_weight
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
 
@@ -93,10 +94,13 @@ class Scorer:
         # A sharded model (FSDP, ZeRO-3) must run its own forward, on every process alike; any
         # other runs unwrapped, since a DDP wrapper's forward may broadcast buffers (a collective).
         self.sharded = distributed.is_sharded(model)
+        # Tensor parallel: every process runs every row, each holding a slice of every layer.
+        self.tensor_parallel = distributed.is_tensor_parallel(model)
         # Accelerate wraps a mixed-precision model's forward in autocast; scoring runs the weights'
         # own dtype (fp32 master weights stay exact), and the body and head below do too.
         self._forward = model if self.sharded else getattr(self.lm, "_original_forward", self.lm)
-        check_weights_and_vocabulary(self.lm, cache)  # first: a meta model's cache cannot even be measured
+        check_causal_lm(self.lm)
+        check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
         self.cache = fit_to_context(self.lm, cache, truncate)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
@@ -113,8 +117,17 @@ class Scorer:
         self._sequences: list[list[int]] | None = None  # the cache's token ids as host lists
         self.oom_retries = 0
         self.method_replacements = 0  # methods that failed a later check and were replaced
+        self._built_dtype = self._dtype()
+        # The latest evaluation's [sequences x slots] log-prob matrix (sentences only), on the scoring
+        # device: every token's log-prob, kept at no cost (``token_logprobs``).
+        self._token_matrix: torch.Tensor | None = None
 
     # -- public ---------------------------------------------------------------------------------
+
+    def serves(self, model: torch.nn.Module) -> bool:
+        """Whether this scorer fits ``model`` as it is now: the same model, still on its cache's device and in its dtype."""
+        weight = next(self.lm.parameters())
+        return model is self.model and weight.device == self.cache.device and weight.dtype == self._built_dtype
 
     @torch.no_grad()
     def score(self, sequences: range | list[int] | None = None) -> torch.Tensor:
@@ -139,8 +152,29 @@ class Scorer:
             self.model.train(was_training)
 
     def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
+        if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
+            # An adapter or hook put on the head since the method was chosen: what it computes is not its weight.
+            logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
+            self.method = ScoringMethod(self.method.layout, "full_logits")
         self._check_method_when_due()  # its sample is laid out within the budget too
-        return self._score_matrix(self.method, sequences, split=True, keep_layout=True).cpu()
+        matrix = self._score_matrix(self.method, sequences, split=True, keep_layout=True)
+        self._token_matrix = None if self.cache.answer_ids else matrix
+        return self._readout(matrix).cpu()
+
+    def token_logprobs(self) -> list[list[float]]:
+        """Every scored token's log-prob from the latest ``score()``, per sentence in cache order.
+
+        Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in
+        token order; they are the cells the sentence's log-prob is summed from, so Python's
+        ``sum()`` of a sentence's list equals ``score()[s]`` exactly.
+
+        Raises:
+            RuntimeError: nothing scored yet, or the cache holds forced-choice prompts.
+        """
+        if self._token_matrix is None:
+            raise RuntimeError("no token log-probs: score() the sentences first (forced-choice prompts have none)")
+        rows = self._token_matrix.cpu().double().tolist()
+        return [row[: length - 1] for row, length in zip(rows, self.cache.lengths)]
 
     def layout(self, kind: str | None = None, sequences: range | list[int] | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen method's) and ``sequences`` (default: all), built once per budget."""
@@ -160,7 +194,9 @@ class Scorer:
     @property
     def head_tile(self) -> tuple[int, int]:
         """(contexts, vocabulary columns) per tile of the LM head: its logits and their float32 work fit the budget."""
-        return head_tile(self.cache.device, self._vocab_size(), self._dtype(), self.memory_budget)
+        weight = self._head_weight()
+        device = weight.device if weight is not None else self.cache.device
+        return head_tile(device, self._vocab_size(), self._dtype(), self.memory_budget)
 
     # -- the computation ------------------------------------------------------------------------
 
@@ -193,37 +229,26 @@ class Scorer:
     def _score_matrix(
         self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
     ) -> torch.Tensor:
-        """Sentences: [sequences] log-probs; prompts: [prompts x answers]; zeros where nothing is read.
+        """[sequences x slots] log-probs, each cell written once (zeros where nothing is read).
 
-        A sentence's tokens are all in one batch: its log-probs go into that batch's [sentences x slots]
-        matrix (each cell written once) and are summed there in a fixed order, so nothing held grows
-        with the number of tokens. Across processes (``split``, default: all sequences) the batches are
-        dealt out and the results added up (each value comes from one process, zeros from the others:
-        exact); otherwise (the method check's sample) every process runs them all. A filler batch only
-        keeps a sharded model's forward calls in step.
+        Across processes (``split``, default: all sequences) the batches are dealt out and the matrices
+        added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
+        check's sample) every process runs them all. A filler batch only keeps a sharded model's forward
+        calls in step. Each batch is built when it is read and freed before the next.
         """
         device = self.cache.device
         answers = len(self.cache.answer_ids)
         slots = answers or max(self.cache.lengths) - 1
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        totals = torch.zeros(
-            (self.cache.num_sentences, answers) if answers else self.cache.num_sentences, dtype=dtype, device=device
-        )
+        matrix = torch.zeros((self.cache.num_sentences, slots), dtype=dtype, device=device)
         layout = self._layout(method, sequences, keep=keep_layout)
-        split = sequences is None if split is None else split
+        split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
             logprobs = self._batch_logprobs(batch, method.head).to(dtype)
-            if is_filler:
-                pass
-            elif answers:
-                totals[batch.score_sentences, batch.score_slots] = logprobs
-            else:
-                owners, rows = torch.unique(batch.score_sentences, return_inverse=True)
-                matrix = torch.zeros((owners.numel(), slots), dtype=dtype, device=device)
-                matrix[rows, batch.score_slots] = logprobs
-                totals[owners] = matrix.sum(1)
+            if not is_filler:
+                matrix[batch.score_sentences, batch.score_slots] = logprobs
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
-        matrix = distributed.sum_over_processes(totals) if split else totals
+        matrix = distributed.sum_over_processes(matrix) if split else matrix
         if method.layout != "padded":
             matrix = self._rescore_non_finite(matrix, method.head)
         return matrix
@@ -235,17 +260,36 @@ class Scorer:
         attention weights are zero, but zero times NaN is NaN), so only a row of its own tells
         which sequences are really non-finite.
         """
-        bad = (~torch.isfinite(matrix)).reshape(len(matrix), -1).any(1).nonzero().flatten().tolist()
+        bad = (~torch.isfinite(matrix)).any(1).nonzero().flatten().tolist()
         if bad:
             matrix[bad] = self._score_matrix(ScoringMethod("padded", head), bad)[bad]
         return matrix
+
+    def _readout(self, matrix: torch.Tensor) -> torch.Tensor:
+        """Sentences: each row's sum; prompts: the answers' log-probs as they are.
+
+        A row is added up cell by cell from the left, as Python's ``sum()`` adds a list, so a
+        sentence's log-prob is exactly the sum of its tokens' (``token_logprobs``) on any device;
+        the cells past a sentence's end are zeros, which change no sum.
+        """
+        if self.cache.answer_ids:
+            return matrix
+        total = torch.zeros(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+        for column in matrix.unbind(1):
+            total += column
+        return total
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
         """log p(target | context) of every (context, target) the batch scores, in float32."""
         output = self._model_output(batch, head)
         if head == "full_logits":
             return output.float().log_softmax(-1)[batch.score_contexts, batch.score_targets]
-        return head_logprobs(self.lm, output, batch.score_contexts, batch.score_targets, self.head_tile)
+        # Under a device map the head may sit on another device than the last layer and the cache.
+        device = self._head_weight().device
+        logprobs = head_logprobs(
+            self.lm, output.to(device), batch.score_contexts.to(device), batch.score_targets.to(device), self.head_tile
+        )
+        return logprobs.to(self.cache.device)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states ("tiled" head) or the model's logits ("full_logits") at the positions the batch reads."""
@@ -259,7 +303,8 @@ class Scorer:
             output = self._forward(**inputs).logits
         else:
             output = self.lm.base_model(**inputs).last_hidden_state
-        return output.reshape(-1, output.shape[-1]).index_select(0, batch.score_positions)
+        # The hidden states are wherever the last layer left them (under a device map, not the cache's device).
+        return output.reshape(-1, output.shape[-1]).index_select(0, batch.score_positions.to(output.device))
 
     # -- choosing and re-checking the method ----------------------------------------------------
 
@@ -313,7 +358,7 @@ class Scorer:
         return method
 
     def _matches(self, method: ScoringMethod, sample: list[int], reference: torch.Tensor) -> bool:
-        values = self._score_matrix(method, sample)[sample]
+        values = self._readout(self._score_matrix(method, sample))[sample]
         if self.cache.answer_ids:
             tokens = torch.ones_like(reference)
         else:
@@ -361,10 +406,9 @@ class Scorer:
         return ["tiled", "full_logits"] if self._head_weight() is not None else ["full_logits"]
 
     def _head_weight(self) -> torch.Tensor | None:
-        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
-        if head is None or not hasattr(head, "weight") or self.lm.base_model is self.lm or self.sharded:
+        if self.lm.base_model is self.lm or self.sharded:
             return None  # a sharded head's weight is a shard: only the model's own forward can use it
-        return head.weight
+        return plain_head_weight(self.lm)
 
     def _vocab_size(self) -> int:
         weight = self._head_weight()

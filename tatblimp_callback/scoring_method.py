@@ -84,9 +84,28 @@ def first_matching_method(
 
 def relative_tolerance(dtype: torch.dtype, device: torch.device) -> float:
     """The rounding allowance, relative, of a model computing in ``dtype`` on ``device``."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+    if dtype == torch.float32 and device.type == "cuda" and cuda_matmul_allows_tf32():
         return TF32_TOLERANCE
     return RELATIVE_TOLERANCE.get(dtype, RELATIVE_TOLERANCE[torch.float16])
+
+
+def cuda_matmul_allows_tf32() -> bool:
+    """Whether float32 matmuls on a GPU may round to TF32, read through the API the settings came from.
+
+    transformers' ``enable_tf32`` sets the new ``torch.backends.fp32_precision``; after that the legacy
+    ``torch.get_float32_matmul_precision()`` raises (torch 2.9+), while the per-backend setting answers.
+    """
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch 2.9+: "ieee", "tf32", or "none" (then the global setting decides)
+        precision = matmul.fp32_precision
+        if precision == "none":
+            precision = getattr(torch.backends, "fp32_precision", "none")
+        if precision != "none":
+            return precision == "tf32"
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # settings of both APIs mixed, none of them for CUDA matmuls: torch's default, IEEE
+        return False
 
 
 def agree(values: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, rtol: float) -> bool:

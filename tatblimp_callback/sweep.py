@@ -5,30 +5,37 @@ scored in step order and each result is appended, as one JSON line, to ``RUN_DIR
 checkpoints already in that file are skipped, so a sweep can be stopped and run again.
 
 With ``watch`` the folder is polled until ``max_wait`` seconds pass without a new checkpoint, or Ctrl-C.
+
+Under torchrun (or ``accelerate launch``) the checkpoints are shared out among the processes
+(``sweep_processes``); process 0 writes the file. A checkpoint that fails to load or score is named,
+written to ``RUN_DIR/tatblimp-failures.jsonl`` and left for the next run; the others go on.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import Checkpoint, CheckpointWatcher, SweepError, find_checkpoints, has_weights
+from .checkpoint_scoring import CheckpointScorer, score_or_failure
+from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
-from .loading import TOKENIZER_FILES, add_model_arguments, load_model, load_tokenizer
-from .suites import Suite, add_suite_arguments, load_suite, suites_from_args
+from .jsonl import read_complete_lines
+from .loading import add_model_arguments
+from .outputs import say
+from .placement import placement_options
+from .sweep_processes import SweepProcesses
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "tatblimp.jsonl"
+FAILURES_FILE = "tatblimp-failures.jsonl"
 WATCH_INTERVAL = 30.0
 SETTLE_INTERVAL = 5.0
 
@@ -51,7 +58,22 @@ class SweepOptions:
     """Token put before each sentence; None: BOS, else EOS."""
 
     device: str | None = None
-    """Device to score on; None: cuda if available, else cpu."""
+    """Device to score on; None: cuda if available (under torchrun ``LOCAL_RANK``'s GPU), else cpu."""
+
+    device_map: str | None = None
+    """accelerate's big-model dispatch ("auto", "balanced", "sequential") instead of ``device``; one process only."""
+
+    max_memory: dict | None = None
+    """With ``device_map``: the most weights per device, e.g. ``{0: "70GiB", "cpu": "200GiB"}``."""
+
+    offload_folder: str | None = None
+    """With ``device_map``: where the weights that fit on no device go."""
+
+    trust_remote_code: bool = False
+    """Run the Python files of a checkpoint with a custom architecture (code from the model's author)."""
+
+    attn_implementation: str | None = None
+    """The attention kernel ("eager", "sdpa", ...); None: the model's."""
 
     dtype: str = "float32"
     """Weights dtype: auto, float32, bfloat16 or float16."""
@@ -61,9 +83,6 @@ class SweepOptions:
 
     truncate: bool = False
     """Cut sentences longer than the model's context instead of failing."""
-
-    suites: dict[str, Any] | None = None
-    """More suites scored in the same pass, ``{name: path or suites.Suite}``; each line gets ``"suites": {name: ...}``."""
 
     include_pairs: bool = False
     """Keep the per-pair list (as in ``score --output``) in each JSONL line; off to keep lines small."""
@@ -113,6 +132,7 @@ class SweepReport:
     skipped: list[str] = field(default_factory=list)  # already in the results file
     incomplete: list[str] = field(default_factory=list)  # not complete when the sweep ended
     vanished: list[str] = field(default_factory=list)  # deleted (checkpoint rotation) before being read
+    failed: dict[str, str] = field(default_factory=dict)  # checkpoint -> why it could not be loaded or scored
     acquisition: dict[str, int | None] = field(default_factory=dict)
     interrupted: bool = False
 
@@ -122,7 +142,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_complete_lines(path), start=1):
         if not line.strip():
             continue
         try:
@@ -140,99 +160,6 @@ def _append_record(path: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
-
-
-class _CheckpointScorer:
-    """Loads and scores checkpoints; tokenizes the benchmark once per distinct tokenizer."""
-
-    def __init__(self, run_dir: Path, options: SweepOptions):
-        from .data import load_benchmark
-
-        self.run_dir = run_dir
-        self.options = options
-        self.benchmark = load_benchmark(options.data, allow_modified=options.allow_modified)
-        self._tokenizers: dict[str, tuple[Any, int | None]] = {}  # files key -> (tokenizer, mismatches)
-        self._caches: dict[str, Any] = {}  # files key -> SentenceCache
-        self._evaluators: dict[str, Any] = {}  # files key -> Evaluator, when suites share its cache
-        self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (options.suites or {}).items()}
-
-    def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
-        from .evaluation import Evaluator
-
-        key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
-        with _quiet_transformers():  # its per-load progress bars would break the sweep's own
-            model = load_model(str(checkpoint.path), self.options.device, self.options.dtype)
-        budget = self.options.memory_budget_mb
-        evaluator = self._evaluators.get(key) or Evaluator(
-            tokenizer,
-            self.benchmark,
-            cache=None if self.suites else self._caches.get(key),
-            prefix_token_id=self.options.prefix_token_id,
-            allow_modified=self.options.allow_modified,
-            memory_budget=budget * 2**20 if budget else None,
-            truncate=self.options.truncate,
-            suites=self.suites,
-        )
-        try:
-            results = evaluator(model)
-        finally:
-            evaluator._scorer = None  # holds the model: freed before the next checkpoint loads
-        if self.suites:
-            self._evaluators[key] = evaluator
-        else:
-            self._caches[key] = evaluator.cache
-        record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
-        if mismatches is not None:
-            record["sentencepiece_mismatches"] = mismatches
-        if not self.options.include_pairs:
-            record.pop("pairs")
-            for suite in record.get("suites", {}).values():
-                suite.pop("pairs")
-        return record
-
-    def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:
-        from .tokenization import check_sentencepiece_mismatch
-
-        source = self.options.tokenizer or _tokenizer_folder(path, self.run_dir)
-        key = _files_key(Path(source))
-        if key not in self._tokenizers:
-            tokenizer = load_tokenizer(source)
-            mismatches = None
-            if Path(source).is_dir():
-                mismatches = check_sentencepiece_mismatch(source, tokenizer, self.benchmark.sentences)
-            self._tokenizers[key] = (tokenizer, mismatches)
-        return (key, *self._tokenizers[key])
-
-
-@contextmanager
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:
-    for folder in (checkpoint, run_dir):
-        if any((folder / name).is_file() for name in TOKENIZER_FILES):
-            return str(folder)
-    raise SweepError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer")
-
-
-def _files_key(source: Path) -> str:
-    """Identifies a tokenizer by the content of its files, so identical copies share one cache."""
-    if not source.is_dir():
-        return f"{source.resolve()}" if source.exists() else str(source)
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(source)):
-        if name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens")):
-            digest.update(name.encode() + b"\0" + (source / name).read_bytes())
-    return digest.hexdigest()
 
 
 class _WandbLogger:
@@ -261,56 +188,108 @@ class _WandbLogger:
 
 
 def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> SweepReport:
-    """Score every complete, not yet scored checkpoint of ``run_dir`` and append to its ``tatblimp.jsonl``."""
-    from tqdm.auto import tqdm
+    """Score every complete, not yet scored checkpoint of ``run_dir`` and append to its ``tatblimp.jsonl``.
 
+    Under torchrun every process calls this; the checkpoints are shared out (``sweep_processes``) and
+    every process returns the same report.
+
+    Args:
+        run_dir: the training run's folder, with ``checkpoint-<step>`` (or other ``*<step>``) sub-folders.
+        options: how to find, load and score them (default ``SweepOptions()``).
+
+    Returns:
+        What was scored, skipped, failed, and every record of the results file in step order.
+
+    Raises:
+        SweepError: no such folder, two checkpoints with one step, or a bad line in the results file.
+        ValueError: options that do not go together.
+    """
     options = options or SweepOptions()
     if options.acquisition not in ("estimate", "lower-bound"):
         raise ValueError(f"acquisition must be 'estimate' or 'lower-bound', got {options.acquisition!r}")
+    if options.max_wait is not None and not options.watch:
+        raise ValueError(
+            "max_wait (--max-wait) needs watch (--watch): without it the sweep ends once the checkpoints there are scored"
+        )
     run_dir = Path(run_dir)
-    find_checkpoints(run_dir)  # fails early on a missing folder or a step claimed twice
+    # Fails early on a missing folder or a step claimed twice; and on a folder without checkpoints, unless watching for them.
+    if not find_checkpoints(run_dir) and not options.watch:
+        raise SweepError(no_checkpoints_message(run_dir))
+    records = read_records(run_dir / RESULTS_FILE)
+    if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
+    processes = SweepProcesses()
+    try:
+        report = _sweep(run_dir, options, records, processes)
+    finally:
+        processes.close()
+    report.acquisition = acquisition_steps(
+        history_from_records(report.records), options.threshold, use_lower_bound=options.acquisition == "lower-bound"
+    )
+    return report
+
+
+def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
+    from tqdm.auto import tqdm
+
+    first = processes.is_first
     results_path = run_dir / RESULTS_FILE
-    records = read_records(results_path)
     done = {record["checkpoint"] for record in records}
     report = SweepReport(results_path=results_path, records=records)
     watcher = CheckpointWatcher(run_dir, options.poll_interval)
-    scorer = _CheckpointScorer(run_dir, options)
-    wandb_logger = _WandbLogger(options, run_dir) if options.wandb_project or options.wandb_run_id else None
+    scorer = CheckpointScorer(run_dir, options, processes.device(options.device))
+    wandb_logger = _WandbLogger(options, run_dir) if first and (options.wandb_project or options.wandb_run_id) else None
     bar = None
     last_new = time.monotonic()
     settled = False
     try:
         while True:
-            ready, pending = watcher.poll()
-            todo = [c for c in ready if c.name not in done]
-            report.skipped = sorted({c.name for c in ready if c.name in done} - set(report.scored))
-            # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
-            if not options.watch and not settled and any(has_weights(c.path) for c in pending):
+            poll = None
+            if first:
+                ready, pending = watcher.poll()
+                # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
+                settle = not options.watch and not settled and any(has_weights(c.path) for c in pending)
+                poll = ([c for c in ready if c.name not in done], [c.name for c in pending], settle)
+                report.skipped = sorted({c.name for c in ready if c.name in done} - set(report.scored))
+            todo, report.incomplete, settle = processes.from_first(poll)
+            if settle:
                 settled = True
                 time.sleep(options.poll_interval)
                 continue
             if todo and bar is None:
-                bar = tqdm(total=len(todo), desc="tatblimp sweep", unit="ckpt", disable=not options.progress, file=sys.stderr)
+                show = options.progress and first
+                bar = tqdm(total=len(todo), desc="tatblimp sweep", unit="ckpt", disable=not show, file=sys.stderr)
             elif todo:
-                bar.total = len(report.scored) + len(todo)
+                bar.total = len(report.scored) + len(report.failed) + len(todo)
                 bar.refresh()
-            for checkpoint in todo:
-                record = _score_or_skip_vanished(scorer, checkpoint, report)
-                if record is None:
+            for mine in processes.rounds(todo):
+                outcome = score_or_failure(scorer, mine) if mine is not None else None
+                outcomes = processes.gather((mine, outcome))
+                if not first:
                     continue
-                _append_record(results_path, record)
-                records.append(record)
-                done.add(checkpoint.name)
-                report.scored.append(checkpoint.name)
-                if wandb_logger:
-                    wandb_logger.log(record)
-                bar.update(1)
-                bar.write(
-                    f"step {record['step']:>8}  acc {record['acc']:.4f}  acc_norm {record['acc_norm']:.4f}  ({checkpoint.name})"
-                )
+                for checkpoint, (kind, value) in sorted((o for o in outcomes if o[0] is not None), key=lambda o: o[0].step):
+                    if kind == "scored":
+                        _append_record(results_path, value)
+                        records.append(value)
+                        done.add(checkpoint.name)
+                        report.scored.append(checkpoint.name)
+                        if wandb_logger:
+                            wandb_logger.log(value)
+                        bar.write(
+                            f"step {value['step']:>8}  acc {value['acc']:.4f}  acc_norm {value['acc_norm']:.4f}  ({checkpoint.name})"
+                        )
+                    elif kind == "failed":
+                        _append_record(run_dir / FAILURES_FILE, {"step": checkpoint.step, "checkpoint": checkpoint.name, **value})
+                        done.add(checkpoint.name)  # not again in this run; the next run tries it again
+                        report.failed[checkpoint.name] = value["error"]
+                        bar.write(f"step {checkpoint.step:>8}  FAILED: {value['error']}  ({checkpoint.name})")
+                    else:
+                        report.vanished.append(checkpoint.name)
+                        logger.warning("tatblimp: %s was deleted before it could be scored", checkpoint.name)
+                    bar.update(1)
                 last_new = time.monotonic()
-            report.incomplete = [c.name for c in pending]
-            if not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait):
+            stop = not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait)
+            if processes.from_first(stop):
                 break
             time.sleep(options.poll_interval)
     except KeyboardInterrupt:
@@ -321,28 +300,20 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
         if bar is not None:
             bar.close()
     report.records = sorted(records, key=lambda record: record["step"])
-    report.acquisition = acquisition_steps(
-        history_from_records(report.records), options.threshold, use_lower_bound=options.acquisition == "lower-bound"
-    )
+    report = processes.from_first(report)  # process 0 holds what every process scored
     if wandb_logger:
-        wandb_logger.finish(report.acquisition)
-    if report.incomplete:
+        wandb_logger.finish(
+            acquisition_steps(
+                history_from_records(report.records),
+                options.threshold,
+                use_lower_bound=options.acquisition == "lower-bound",
+            )
+        )
+    if report.incomplete and first:
         logger.warning(
             "tatblimp: %d checkpoint(s) not complete yet, not scored: %s", len(report.incomplete), ", ".join(report.incomplete)
         )
     return report
-
-
-def _score_or_skip_vanished(scorer: _CheckpointScorer, checkpoint: Checkpoint, report: SweepReport):
-    try:
-        return scorer.score(checkpoint)
-    except (OSError, ValueError):
-        if checkpoint.path.exists():
-            raise
-        # The Trainer's save_total_limit deleted it while we waited or loaded: nothing to score.
-        report.vanished.append(checkpoint.name)
-        logger.warning("tatblimp: %s was deleted before it could be scored", checkpoint.name)
-        return None
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -353,7 +324,6 @@ def add_sweep_parser(commands) -> None:
     parser = commands.add_parser("sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl")
     parser.add_argument("run_dir", help="folder with checkpoint-<step> (or other *<step>) sub-folders")
     add_model_arguments(parser)
-    add_suite_arguments(parser)
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
     parser.add_argument("--watch", action="store_true", help="keep polling for new checkpoints (stop: Ctrl-C or --max-wait)")
     parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
@@ -367,20 +337,33 @@ def add_sweep_parser(commands) -> None:
 
 
 def run_sweep(args: argparse.Namespace) -> None:
-    names = {f.name for f in fields(SweepOptions) if f.name != "suites"}
-    options = SweepOptions(**{name: getattr(args, name) for name in names if hasattr(args, name)}, suites=suites_from_args(args))
-    if args.suites_only:
-        raise ValueError("sweep scores TatBLiMP with the suites; --suites-only is for score")
+    placement = placement_options(args)
+    options = SweepOptions(**{f.name: getattr(args, f.name) for f in fields(SweepOptions) if hasattr(args, f.name)})
+    options.max_memory = placement["max_memory"]
     report = sweep(args.run_dir, options)
-    print(
+    if int(os.environ.get("RANK", 0)) != 0:
+        return  # process 0 reports for all
+    if (
+        not report.records and not report.incomplete and not report.vanished and not report.failed
+    ):  # --watch ended and none ever came
+        raise SweepError(no_checkpoints_message(args.run_dir))
+    say(
         f"{len(report.scored)} checkpoint(s) scored, {len(report.skipped)} already in {report.results_path}"
         + (f", {len(report.incomplete)} not complete" if report.incomplete else "")
         + (f", {len(report.vanished)} deleted before scoring" if report.vanished else "")
+        + (f", {len(report.failed)} failed" if report.failed else "")
         + (" (interrupted)" if report.interrupted else "")
     )
     if report.acquisition:
         width = max(len(name) for name in report.acquisition)
         what = "acc_norm" if options.acquisition == "estimate" else "acc_norm's 95% lower bound"
-        print(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
+        say(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
         for name, step in report.acquisition.items():
-            print(f"  {name:<{width}}  {step if step is not None else '-'}")
+            say(f"  {name:<{width}}  {step if step is not None else 'never'}")
+    if report.failed:
+        for error in report.failed.values():
+            print(f"  failed: {error}", file=sys.stderr)
+        raise SweepError(
+            f"{len(report.failed)} checkpoint(s) could not be scored: {', '.join(report.failed)} "
+            f"(see {Path(args.run_dir) / FAILURES_FILE}; a rerun tries them again)"
+        )

@@ -18,6 +18,40 @@ import torch.nn.functional as F
 CPU_HEAD_TILE = (2048, 2048)
 
 
+# Config fields by which some models scale their logits after the head (Cohere, Granite); the tiled head does not.
+LOGIT_SCALING_FIELDS = ("logit_scale", "logits_scaling")
+
+
+def plain_head_weight(lm: torch.nn.Module) -> torch.Tensor | None:
+    """The LM head's weight if the logits are exactly ``F.linear(hidden, weight, bias)`` (softcapping aside), else None.
+
+    Only a plain ``torch.nn.Linear`` qualifies: no adapter wrapped around it (a LoRA layer on ``lm_head``,
+    whose frozen ``weight`` is not what the model computes), no forward hook (accelerate's offload hooks,
+    whose weight may sit on the meta device; its device-map hook that only places the head is fine), no
+    subclass (quantized layers), and no logit scaling by the model. Any other head is scored through the
+    model's own forward.
+    """
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.weight.is_meta:
+        return None
+    if head._forward_hooks or head._forward_pre_hooks:
+        return None
+    if (hasattr(head, "_hf_hook") or "forward" in vars(head)) and not _placed_by_device_map(head):
+        return None
+    config = getattr(lm, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_SCALING_FIELDS):
+        return None
+    return head.weight
+
+
+def _placed_by_device_map(head: torch.nn.Module) -> bool:
+    """Whether the head's only wrapper is accelerate's device-map hook that moves its input to the head's device
+    and leaves the weight where it is (no offload): ``F.linear`` with that weight on that device is its forward."""
+    hook = getattr(head, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", [hook])
+    return all(type(h).__name__ == "AlignDevicesHook" and not h.offload and not h.io_same_device for h in hooks)
+
+
 def head_tile(device: torch.device, vocab: int, dtype: torch.dtype, memory_budget: int) -> tuple[int, int]:
     """(contexts, vocabulary columns) per tile of the LM head, so that its logits and their float32 work fit the budget."""
     element = torch.finfo(dtype).bits // 8

@@ -23,8 +23,8 @@ def fresh_score(checkpoint, tokenizer, data):
 
 
 def timeless(entries: list[dict]) -> list[dict]:
-    """The entries without the seconds an evaluation took, which differ between any two runs."""
-    return [{k: v for k, v in e.items() if not k.endswith("seconds")} for e in entries]
+    """The entries without the seconds an evaluation took and when it was made, which differ between any two runs."""
+    return [{k: v for k, v in e.items() if not k.endswith("seconds") and k != "created"} for e in entries]
 
 
 def history_lines(path) -> list[dict]:
@@ -61,20 +61,23 @@ def test_a_resumed_run_has_the_curves_of_an_uninterrupted_one(bpe_tokenizer, sma
     assert timeless(resumed_file) == timeless(expected_file)
 
 
-def test_failures_continue_across_a_resume(bpe_tokenizer, tmp_path):
+def test_failures_continue_across_a_resume(bpe_tokenizer, tmp_path, caplog):
     options = dict(max_steps=4, save_strategy="steps", save_steps=2)
     first = TatBLiMPCallback(data=tmp_path / "missing.jsonl", eval_steps=2)
     make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [first], **options).train()
-    assert first.failures == 4  # preparing, then steps 0, 2 and 4
+    # Said once at the start, with its traceback, and not counted; then one failure per scoring point: steps 0, 2, 4.
+    assert first.failures == 3
+    with_traceback = [r.getMessage() for r in caplog.records if "Traceback" in r.getMessage()]
+    assert len(with_traceback) == 1 and "cannot score this model" in with_traceback[0]
     second = TatBLiMPCallback(data=tmp_path / "missing.jsonl", eval_steps=2)
     trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [second], **options)
     trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    # Up to step 2: preparing, steps 0 and 2 (3 failures); after the resume: preparing again, and step 4.
-    assert second.failures == 5
+    # Up to step 2: steps 0 and 2 (2 failures, restored); after the resume: step 4.
+    assert second.failures == 3
     assert [(e["step"], e["tatblimp/failures"]) for e in tatblimp_entries(trainer, "tatblimp/failures")] == [
-        (0, 2.0),
-        (2, 3.0),
-        (4, 5.0),
+        (0, 1.0),
+        (2, 2.0),
+        (4, 3.0),
     ]
 
 

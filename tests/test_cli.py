@@ -33,6 +33,8 @@ def test_score_prints_the_table_and_writes_json(model_dir, bpe_tokenizer, tmp_pa
     assert set(results["phenomena"]) == set(OFFICIAL_PHENOMENA)
     assert {name: g["n"] for name, g in results["phenomena"].items()} == OFFICIAL_PHENOMENA
     assert results["benchmark"]["md5"] == "7659770ffe671579746a445a173a294a"
+    assert results["partial"] is False and results["selection"] is None  # every pair scored
+    assert results["dtype"] == "float32" and results["device"] == "cpu" and "dtype: float32" in printed.splitlines()[0]
 
     # Independent check: one sentence at a time, from the saved weights, in file order.
     from transformers import AutoModelForCausalLM

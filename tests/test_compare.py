@@ -221,6 +221,8 @@ def test_steps_of_one_sweep_and_baseline_choice(two_runs, tmp_path):
             "run_only": 0,
             "p_value": 0.5,
             "p_adjusted": 0.5,
+            "baseline_only_pairs": [8, 16],  # agreement passes 9 -> 8 of 10 (pair 8), binding 7 -> 6 (pair 16)
+            "run_only_pairs": [],
         }
     ]
     assert {p["run"] for p in as_json["paired"]} == {"small-vocab@100", "big-vocab"} and len(as_json["paired"]) == 2 * 2 * 3

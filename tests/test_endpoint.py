@@ -341,3 +341,11 @@ def test_cli_endpoint_end_to_end(model, chat_tokenizer, ep_data, local, tmp_path
         assert len(server.requests) == 32
     assert main(["score", "--endpoint", server.url, "--protocol", "forced-choice", "--data", str(ep_data)]) == 1
     assert "--endpoint needs --model-name" in capsys.readouterr().err
+
+
+def test_cli_endpoint_defaults_to_openai_base_url(model, chat_tokenizer, ep_data, local, monkeypatch, capsys):
+    with ChatServer(model, chat_tokenizer) as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.url)
+        command = ["score", "--model-name", "tiny-chat", "--protocol", "forced-choice", "--data", str(ep_data)]
+        assert main([*command, "--allow-modified", "--extra-body", json.dumps(GUIDED)]) == 0, capsys.readouterr().err
+    assert len(server.requests) == 32 and "32 items (16 pairs x 2 orderings)" in capsys.readouterr().out

@@ -155,12 +155,15 @@ def test_meta_device_model_is_an_error(bpe_tokenizer, cache):
 def test_too_long_sentence_is_an_error_or_counted_truncation(bpe_tokenizer, cache):
     model = tiny_llama(len(bpe_tokenizer), max_position_embeddings=20)
     longest = max(cache.lengths)
-    with pytest.raises(
-        ScoringError, match=r"pair \d+ \((good|bad) sentence\) has \d+ tokens, more than the model's context of 20"
-    ):
-        Scorer(model, cache)
-    results = evaluate(model, cache=cache, truncate=True)
     too_long = sum(n > 20 for n in cache.lengths)
+    with pytest.raises(ScoringError) as raised:
+        Scorer(model, cache)
+    assert str(raised.value) == (
+        f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than the model's context of 20 "
+        f"(the longest, pair {cache.lengths.index(longest) // 2}'s {('good', 'bad')[cache.lengths.index(longest) % 2]} "
+        f"sentence, has {longest}); pass truncate=True (tatblimp: --truncate) to cut them"
+    )
+    results = evaluate(model, cache=cache, truncate=True)
     assert longest > 20 and results.truncated_sentences == too_long > 0
     assert max(p.good_tokens for p in results.pairs) == 19
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -104,13 +103,3 @@ def test_a_suite_scored_alone(model_dirs, suite_folder, tmp_path, capsys):
     assert record["benchmark"]["release"].startswith("blimp (md5 ")
     assert main(["score", str(model_dirs[0]), "--suites-only"]) == 1
     assert "--suites-only needs at least one --suite" in capsys.readouterr().err
-
-
-def test_sweep_with_a_suite(model_dirs, small_data, suite_folder, tmp_path):
-    shutil.copytree(model_dirs[0], tmp_path / "checkpoint-5")
-    (tmp_path / "checkpoint-5" / "trainer_state.json").write_text("{}")
-    args = ["--data", str(small_data), "--allow-modified", "--device", "cpu", "--no-progress", "--suite", f"blimp={suite_folder}"]
-    assert main(["sweep", str(tmp_path), *args]) == 0
-    record = json.loads((tmp_path / "tatblimp.jsonl").read_text())
-    assert record["step"] == 5 and "pairs" not in record and "pairs" not in record["suites"]["blimp"]
-    assert record["suites"]["blimp"]["n"] == 29 and record["suites"]["blimp"]["left_out"][0]["line"] == IDENTICAL_LINE

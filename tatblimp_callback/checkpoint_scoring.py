@@ -1,0 +1,135 @@
+"""Loading and scoring one checkpoint of a sweep, and what becomes of one that cannot be scored.
+
+A checkpoint that fails to load or score (a damaged ``model.safetensors``, a missing tokenizer, ...)
+becomes a "failed" outcome that names it, so that the sweep goes on with the others; one that the
+Trainer's checkpoint rotation deleted meanwhile is "vanished".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .adapters import adapter_base_model, is_adapter_folder
+from .checkpoints import Checkpoint, SweepError
+from .loading import TOKENIZER_FILES, load_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointScorer:
+    """Loads and scores checkpoints; tokenizes the benchmark once per distinct tokenizer."""
+
+    def __init__(self, run_dir: Path, options: Any, device: str | None):
+        """``options``: the sweep's ``SweepOptions``; ``device``: where this process scores (None: the loader's default)."""
+        from .data import load_benchmark
+
+        self.run_dir = run_dir
+        self.options = options
+        self.device = device
+        self.benchmark = load_benchmark(options.data, allow_modified=options.allow_modified)
+        self._tokenizers: dict[str, tuple[Any, int | None]] = {}  # files key -> (tokenizer, mismatches)
+        self._caches: dict[str, Any] = {}  # files key -> SentenceCache
+        if options.tokenizer:
+            self._tokenizer_for(run_dir)  # a wrong --tokenizer is the sweep's error, not each checkpoint's
+
+    def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        from .evaluation import Evaluator
+
+        options = self.options
+        placement = {
+            "device_map": options.device_map,
+            "max_memory": options.max_memory,
+            "offload_folder": options.offload_folder,
+            "trust_remote_code": options.trust_remote_code,
+            "attn_implementation": options.attn_implementation,
+        }
+        key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
+        with _quiet_transformers():  # its per-load progress bars would break the sweep's own
+            model = load_model(str(checkpoint.path), self.device, options.dtype, **placement)
+        budget = self.options.memory_budget_mb
+        evaluator = Evaluator(
+            tokenizer,
+            self.benchmark,
+            cache=self._caches.get(key),
+            prefix_token_id=self.options.prefix_token_id,
+            allow_modified=self.options.allow_modified,
+            memory_budget=budget * 2**20 if budget else None,
+            truncate=self.options.truncate,
+        )
+        results = evaluator(model)
+        self._caches[key] = evaluator.cache
+        record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
+        if mismatches is not None:
+            record["sentencepiece_mismatches"] = mismatches
+        if not self.options.include_pairs:
+            record.pop("pairs")
+        return record
+
+    def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:
+        from .tokenization import check_sentencepiece_mismatch
+
+        source = self.options.tokenizer or _tokenizer_folder(path, self.run_dir)
+        key = _files_key(Path(source))
+        if key not in self._tokenizers:
+            tokenizer = load_tokenizer(source, trust_remote_code=self.options.trust_remote_code)
+            mismatches = None
+            if Path(source).is_dir():
+                mismatches = check_sentencepiece_mismatch(source, tokenizer, self.benchmark.sentences)
+            self._tokenizers[key] = (tokenizer, mismatches)
+        return (key, *self._tokenizers[key])
+
+
+@contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:
+    base = adapter_base_model(checkpoint) if is_adapter_folder(checkpoint) else None  # a PEFT adapter's base model
+    for folder in (checkpoint, run_dir, *([Path(base)] if base and Path(base).is_dir() else [])):
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
+            return str(folder)
+    raise SweepError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {checkpoint} or {run_dir}; pass --tokenizer")
+
+
+def _files_key(source: Path) -> str:
+    """Identifies a tokenizer by the content of its files, so identical copies share one cache."""
+    if not source.is_dir():
+        return f"{source.resolve()}" if source.exists() else str(source)
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(source)):
+        if name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens")):
+            digest.update(name.encode() + b"\0" + (source / name).read_bytes())
+    return digest.hexdigest()
+
+
+def score_or_failure(scorer: CheckpointScorer, checkpoint: Checkpoint) -> tuple[str, dict[str, Any] | None]:
+    """("scored", record), ("failed", {"error", "process"}) or ("vanished", None): scored on this process alone."""
+    from . import distributed
+
+    try:
+        with distributed.this_process_only():
+            return "scored", scorer.score(checkpoint)
+    except SweepError:
+        raise  # the run's, not the checkpoint's (no tokenizer anywhere): the sweep stops
+    except Exception as error:  # one bad checkpoint must not end the sweep, nor leave the other processes waiting
+        if not checkpoint.path.exists():
+            # The Trainer's save_total_limit deleted it while we waited or loaded: nothing to score.
+            return "vanished", None
+        message = str(error).splitlines()[0] if str(error) else ""
+        logger.info("tatblimp: %s could not be scored", checkpoint.name, exc_info=True)  # process 0 names it
+        rank = int(os.environ.get("RANK", 0))
+        return "failed", {"error": f"{checkpoint.name}: {type(error).__name__}: {message}", "process": rank}

@@ -1,0 +1,201 @@
+"""``tatblimp explain MODEL``: where in the sentence a model prefers the wrong one, token by token.
+
+    tatblimp explain MODEL --pair 313 [--pair 17 ...]
+    tatblimp explain MODEL --phenomenon binding --worst 5
+
+Each pair is shown as its two sentences aligned one above the other, token by token, with each
+token's surprisal in bits (-log2 p(token | earlier tokens)); the edit (the tokens between the
+longest common token prefix and suffix, see ``token_results``) is bracketed, and the margin is
+split into its parts before, at and after the edit. In a terminal the edit and high surprisals are
+coloured; piped to a file or another program it is plain text. "Worst" means the lowest
+byte-normalised margin (the acc_norm criterion), most negative first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .data import Benchmark
+from .metrics import PairResult
+from .token_results import PairTokens
+
+LN2 = math.log(2)
+RESET, BOLD, EDIT, HIGH, MEDIUM = "\033[0m", "\033[1m", "\033[30;43m", "\033[31m", "\033[33m"
+
+
+def score_pairs(
+    model, tokenizer, benchmark: Benchmark, indices: Sequence[int], **options
+) -> dict[int, tuple[PairResult, PairTokens]]:
+    """Score only the pairs ``indices`` of ``benchmark`` with their token-level results.
+
+    Args:
+        model: a causal LM.
+        tokenizer: its tokenizer (decodes the token texts too).
+        benchmark: the benchmark the indices refer to (file order).
+        indices: pair indices to score.
+        options: ``Evaluator`` options (``prefix_token_id``, ``memory_budget``, ``truncate``).
+
+    Returns:
+        pair index -> (its ``PairResult``, its ``PairTokens``).
+    """
+    from .evaluation import Evaluator
+
+    indices = list(dict.fromkeys(indices))
+    if not indices:
+        return {}
+    subset = Benchmark(pairs=tuple(benchmark.pairs[i] for i in indices), source=benchmark.source, md5=benchmark.md5)
+    results = Evaluator(tokenizer, subset, include_tokens=True, allow_modified=True, **options)(model)
+    return {index: (results.pairs[k], results.pair_tokens[k]) for k, index in enumerate(indices)}
+
+
+def normalised_margin(pair: PairResult) -> float:
+    """logP(good)/bytes - logP(bad)/bytes: negative when the pair fails acc_norm."""
+    return pair.good_logprob / pair.good_bytes - pair.bad_logprob / pair.bad_bytes
+
+
+def display_piece(text: str) -> str:
+    """A token's text for a terminal column: a leading space as "▁", a token holding part of a character as "·"."""
+    if not text:
+        return "·"
+    return ("▁" + text[1:] if text.startswith(" ") else text).replace("\n", "⏎")
+
+
+def bits(logprob: float) -> str:
+    return f"{-logprob / LN2:.1f}"
+
+
+def _paint(text: str, code: str, color: bool) -> str:
+    return f"{code}{text}{RESET}" if color and code else text
+
+
+def _bits_code(logprob: float) -> str:
+    value = -logprob / LN2
+    return HIGH if value >= 12 else MEDIUM if value >= 6 else ""
+
+
+def format_pair(index: int, pair: PairResult, tokens: PairTokens, *, color: bool = False, width: int = 100) -> str:
+    """The two sentences aligned token by token with surprisal in bits, the edit in brackets, wrapped to ``width``."""
+    (gs, ge), (bs, be) = tokens.edit["good"], tokens.edit["bad"]
+    good_lp, bad_lp = tokens.good_token_logprobs, tokens.bad_token_logprobs
+    good_tx = tokens.good_tokens_text or [str(i) for i in range(len(good_lp))]
+    bad_tx = tokens.bad_tokens_text or [str(i) for i in range(len(bad_lp))]
+    # A column is (good cells, bad cells, is_edit); shared tokens get one column each, the edit one block.
+    columns: list[tuple[list[tuple[str, float]], list[tuple[str, float]], bool]] = []
+    for g in range(gs):
+        columns.append(([(good_tx[g], good_lp[g])], [(bad_tx[g], bad_lp[g])], False))
+    columns.append((list(zip(good_tx[gs:ge], good_lp[gs:ge])), list(zip(bad_tx[bs:be], bad_lp[bs:be])), True))
+    for g, b in zip(range(ge, len(good_lp)), range(be, len(bad_lp))):
+        columns.append(([(good_tx[g], good_lp[g])], [(bad_tx[b], bad_lp[b])], False))
+
+    def cells(items: list[tuple[str, float]]) -> tuple[list[str], list[str], list[str], list[int]]:
+        texts = [display_piece(t) for t, _ in items]
+        values = [bits(lp) for _, lp in items]
+        widths = [max(len(t), len(v)) for t, v in zip(texts, values)]
+        return texts, values, [_bits_code(lp) for _, lp in items], widths
+
+    blocks = []  # each: four (plain, painted) strings: good text, good bits, bad text, bad bits
+    for good_items, bad_items, is_edit in columns:
+        lines = []
+        for items in (good_items, bad_items):
+            texts, values, codes, widths = cells(items)
+            text_plain = " ".join(t.ljust(w) for t, w in zip(texts, widths))
+            text_paint = " ".join(_paint(t.ljust(w), BOLD if is_edit else "", color) for t, w in zip(texts, widths))
+            bits_plain = " ".join(v.ljust(w) for v, w in zip(values, widths))
+            bits_paint = " ".join(_paint(v.ljust(w), c, color) for v, c, w in zip(values, codes, widths))
+            lines += [(text_plain, text_paint), (bits_plain, bits_paint)]
+        block_width = max(len(plain) for plain, _ in lines)
+        padded = [(plain.ljust(block_width), paint + " " * (block_width - len(plain))) for plain, paint in lines]
+        if is_edit:
+            padded = [("[" + plain + "]", _paint("[", EDIT, color) + paint + _paint("]", EDIT, color)) for plain, paint in padded]
+        blocks.append(padded)
+
+    before, at, after = tokens.margin_parts()
+    passed = "passed" if pair.passed_norm else "FAILED"
+    header = [
+        f"pair {index}  {pair.phenomenon}" + (f" / {pair.subtype}" if pair.subtype else ""),
+        f"acc_norm {passed} (margin per byte {normalised_margin(pair):+.4f} nats), acc {'passed' if pair.passed else 'FAILED'}",
+        f"margin {pair.good_logprob - pair.bad_logprob:+.3f} nats = before the edit {before:+.3f} + at the edit {at:+.3f} "
+        f"+ after it {after:+.3f}   (surprisal in bits under each token; [ ]: the edit)",
+    ]
+    labels = ("good", "bits", "bad", "bits")
+    out = [_paint(header[0], BOLD, color), *header[1:]]
+    row: list[list[tuple[str, str]]] = []
+    used = 6
+
+    def flush() -> None:
+        for line, label in enumerate(labels):
+            out.append(f"{label:<5} " + " ".join(block[line][1] for block in row).rstrip())
+        out.append("")
+
+    for block in blocks:
+        block_width = len(block[0][0]) + 1
+        if row and used + block_width > width:
+            flush()
+            row, used = [], 6
+        row.append(block)
+        used += block_width
+    if row:
+        flush()
+    return "\n".join(out).rstrip() + "\n"
+
+
+def add_explain_parser(commands) -> None:
+    """Add ``tatblimp explain`` to the CLI's sub-commands."""
+    from .loading import add_model_arguments
+
+    parser = commands.add_parser("explain", help="show pairs token by token: surprisal in bits, the edit marked")
+    parser.add_argument("model", help="a folder saved with save_pretrained, or a Hub model id")
+    parser.add_argument("--pair", type=int, action="append", help="pair index in the benchmark file (0-based; repeatable)")
+    parser.add_argument("--phenomenon", help="with --worst: the phenomenon whose worst pairs to show")
+    parser.add_argument("--worst", type=int, help="show the K pairs of --phenomenon with the lowest per-byte margin")
+    add_model_arguments(parser)
+    parser.set_defaults(run=run_explain)
+
+
+def choose_pairs(args: argparse.Namespace, benchmark: Benchmark) -> tuple[list[int], bool]:
+    """(pair indices to score, whether to keep only the worst ``args.worst`` of them)."""
+    if args.pair and (args.phenomenon or args.worst):
+        raise ValueError("give either --pair N or --phenomenon NAME --worst K, not both")
+    if args.pair:
+        bad = [n for n in args.pair if not 0 <= n < len(benchmark)]
+        if bad:
+            raise ValueError(f"--pair {bad[0]}: the benchmark has pairs 0 to {len(benchmark) - 1}")
+        return args.pair, False
+    if not args.phenomenon or not args.worst:
+        raise ValueError("name the pairs: --pair N, or --phenomenon NAME --worst K")
+    if args.worst < 1:
+        raise ValueError(f"--worst must be at least 1, got {args.worst}")
+    if args.phenomenon not in benchmark.phenomena:
+        raise ValueError(f"--phenomenon {args.phenomenon}: no such phenomenon ({', '.join(benchmark.phenomena)})")
+    return [i for i, p in enumerate(benchmark.pairs) if p.phenomenon == args.phenomenon], True
+
+
+def run_explain(args: argparse.Namespace, stream: Any = None) -> None:
+    from .data import load_benchmark
+    from .loading import load_model, load_tokenizer, tokenizer_source
+
+    stream = stream or sys.stdout
+    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
+    indices, worst = choose_pairs(args, benchmark)
+    tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
+    model = load_model(args.model, args.device, args.dtype)
+    scored = score_pairs(
+        model,
+        tokenizer,
+        benchmark,
+        indices,
+        prefix_token_id=args.prefix_token_id,
+        memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
+        truncate=args.truncate,
+    )
+    if worst:
+        indices = sorted(scored, key=lambda i: normalised_margin(scored[i][0]))[: args.worst]
+    color = stream.isatty()
+    width = shutil.get_terminal_size((100, 24)).columns if color else 100
+    for index in indices:
+        print(format_pair(index, *scored[index], color=color, width=width), file=stream)

@@ -1,0 +1,53 @@
+"""What a monitoring error does to a training run: nothing but a log line and a count (unless the user asks
+for ``raise_on_error``), and the random number generators left as they were.
+
+An error is logged with its traceback the first time; the same error again (a setting that cannot change,
+such as a context shorter than the longest sentence) gets one line per evaluation, not another traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorLog:
+    """Logs the exception being handled: with its traceback when it differs from the last one logged, else in one line."""
+
+    def __init__(self):
+        self.last: str | None = None  # "Type: message" of the last error logged with its traceback
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """Log ``error`` (the exception being handled); ``what`` says what failed and what happens now."""
+        text = f"{type(error).__name__}: {error}"
+        if text == self.last:
+            logger.error("tatblimp: %s: %s (as before)", what, text)
+            return
+        self.last = text
+        # The traceback goes in as text: a record holding exc_info would keep the failed
+        # evaluation's frames, and every tensor they reference, alive in any handler that stores records.
+        logger.error("tatblimp: %s\n%s", what, traceback.format_exc())
+
+
+@contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Restore Python's, numpy's, torch's and (if in use) CUDA's random number generators on leaving."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        yield
+    finally:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state_all(state["cuda"])

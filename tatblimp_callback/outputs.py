@@ -1,0 +1,54 @@
+"""The files and the terminal output of the ``tatblimp`` commands.
+
+Output files are checked before any work (a typo in ``--output`` should not cost a model load) and
+written before anything is printed, so that ``tatblimp compare ... --json out.json | head -3`` still
+writes ``out.json``. A reader that closes stdout early (``| head``) is not an error: what is left to
+print is dropped, and the command goes on and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def check_output_file(path: str | os.PathLike | None, option: str) -> None:
+    """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, or not writable.
+
+    Missing folders on the way are fine (they are created when the file is written). None: nothing to check.
+    """
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: a folder; give a file name")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{option} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: the folder {existing} is not writable")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path``, creating its folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def silence_stdout() -> None:
+    """After a ``BrokenPipeError``: point stdout at the null device, so later prints (and the flush at exit) do
+    not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def say(text: str) -> None:
+    """Print ``text`` to stdout; a closed stdout (``| head``) silences the rest of the output instead of failing."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        silence_stdout()

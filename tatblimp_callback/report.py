@@ -1,0 +1,369 @@
+"""``tatblimp report RESULTS... --output report.html``: one self-contained HTML page to look at and share.
+
+From sweep files, history files (``tatblimp_history.jsonl``) or ``score --output`` JSONs: the overall
+acc and acc_norm curves with 95% bands, a phenomenon x step heatmap of acc_norm (acquisition steps
+outlined), the acquisition steps, the paired tests with the lost and learned pairs (and their
+sentences) between the first and last evaluations of each run (or ``--steps A B``), the pairs failed
+at every step and the unstable ones; with ``--model``, each of those pairs token by token with its
+surprisal at the edit. Several runs are shown side by side and tested pair by pair against the
+baseline (the first). Charts are inline SVG drawn here; the page loads nothing from anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from .compare import compare_runs, comparison_rows, paired_rows
+from .curves import DEFAULT_THRESHOLD, acquisition_steps
+from .flips import Flips, flips, pair_sentences, sweep_flips
+from .report_charts import PALETTE, Series, heatmap, line_chart
+from .runs import Run, load_runs, read_outcomes
+from .stats import format_interval, paired_tests
+
+__all__ = ["build_report", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto; max-width: 1280px;
+       padding: 12px 20px 40px; color: #222; font-size: 14px; line-height: 1.4; }
+h1 { font-size: 22px; margin: 8px 0 2px; } h2 { font-size: 18px; margin: 26px 0 6px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 15px; margin: 16px 0 4px; } .meta { color: #666; font-size: 12px; }
+.row { display: flex; flex-wrap: wrap; gap: 12px; } .scroll { overflow-x: auto; }
+table { border-collapse: collapse; font-size: 13px; margin: 4px 0; }
+th, td { border: 1px solid #ddd; padding: 2px 7px; text-align: right; } th { background: #f4f4f4; }
+td:first-child, th:first-child, .overview td, .overview th { text-align: left; }
+.overview td:nth-child(-n+4) { white-space: nowrap; } .sig { color: #b00; font-weight: bold; }
+details { margin: 4px 0; } summary { cursor: pointer; } .pairs { font-size: 13px; margin: 2px 0 6px 18px; padding: 0; }
+.pairs li { margin: 3px 0; list-style: none; } .good { color: #17612a; } .bad { color: #a11; } .idx { color: #888; }
+.chart-title { font-size: 13px; font-weight: bold; } .tick, .legend { font-size: 11px; fill: #444; }
+.grid { stroke: #eee; } .chance { stroke: #aaa; stroke-dasharray: 2 3; } .threshold { stroke: #888; stroke-dasharray: 6 4; }
+.curve { fill: none; stroke-width: 1.8; } .band { opacity: 0.18; } .cell-text { font-size: 10px; text-anchor: middle; }
+.tokens { display: flex; flex-wrap: wrap; gap: 2px; margin: 2px 0; align-items: flex-end; }
+.k { display: inline-flex; flex-direction: column; align-items: center; padding: 1px 3px; border-radius: 3px;
+     font-style: normal; white-space: pre; font-family: ui-monospace, monospace; font-size: 13px; }
+.k b { font: 10px system-ui, sans-serif; color: #333; } .k.e { outline: 2px solid #333; }
+.label { width: 34px; font-size: 11px; color: #666; align-self: center; }
+"""
+# The shades of the token view: 2 bits of surprisal a step, 16 bits and more the darkest.
+STYLE += " ".join(f".s{level} {{ background: rgba(214, 39, 40, {level / 8:.3f}); }}" for level in range(9))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<div class="scroll"><table class="{cls}"><tr>{head}</tr>{body}</table></div>'
+
+
+def _series(run: Run, key: str, color: str) -> Series:
+    history = run.history
+    return Series(
+        run.label,
+        [(e["step"], e[key]) for e in history if key in e],
+        [(e["step"], e[f"{key}_ci_low"], e[f"{key}_ci_high"]) for e in history if f"{key}_ci_low" in e],
+        color,
+    )
+
+
+def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, details) -> str:
+    items = []
+    for i in indices:
+        text = f'<span class="idx">#{i}</span> {escape(phenomena[i])}'
+        if sentences is not None:
+            good, bad = sentences[i]
+            text += f'<br><span class="good">good: {escape(good)}</span><br><span class="bad">bad: {escape(bad)}</span>'
+        if details and i in details:
+            text += token_view(*details[i])
+        items.append(f'<li data-pair="{i}">{text}</li>')
+    return f'<ul class="pairs">{"".join(items)}</ul>'
+
+
+def token_view(pair, tokens) -> str:
+    """Both sentences token by token: surprisal in bits under each token, shaded by it; the edit outlined (class ``e``)."""
+    rows = []
+    for label, texts, logprobs, (start, end) in (
+        ("good", tokens.good_tokens_text, tokens.good_token_logprobs, tokens.edit["good"]),
+        ("bad", tokens.bad_tokens_text, tokens.bad_token_logprobs, tokens.edit["bad"]),
+    ):
+        cells = [f'<span class="label">{label}</span>']
+        for k, logprob in enumerate(logprobs):
+            bits = -logprob / math.log(2)
+            level = min(max(round(bits / 2), 0), 8)  # the shade class (see STYLE)
+            edit = " e" if start <= k < end else ""
+            text = escape(texts[k] if k < len(texts) else str(k)) or "·"
+            cells.append(f'<i class="k s{level}{edit}">{text}<b>{bits:.1f}</b></i>')
+        rows.append(f'<div class="tokens">{"".join(cells)}</div>')
+    before, at, after = tokens.margin_parts()
+    note = (
+        f'<div class="meta">margin {pair.good_logprob - pair.bad_logprob:+.2f} nats: at the edit {at:+.2f}, '
+        f"after it {after:+.2f}, before it {before:+.2f}; surprisal in bits under each token, the edit outlined</div>"
+    )
+    return note + "".join(rows)
+
+
+def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, phenomena, sentences, details) -> str:
+    attrs = f'data-run="{escape(run_label)}" data-from="{escape(frm)}" data-to="{escape(to)}" data-metric="{metric}"'
+    parts = [f'<div class="flips" {attrs}>']
+    for kind, title, indices in (
+        ("lost", f"lost (passed at {frm}, failed at {to})", flipped.lost),
+        ("learned", f"learned (failed at {frm}, passed at {to})", flipped.learned),
+    ):
+        parts.append(
+            f'<details><summary>{metric}: <b class="flip-count" data-kind="{kind}">{len(indices)}</b> {escape(title)}</summary>'
+            f"{_pair_items(indices, phenomena, sentences, details)}</details>"
+        )
+    return "".join(parts) + "</div>"
+
+
+def _tests_table(tests, metric: str) -> str:
+    return _table(
+        ["group", "n", "only before", "only after", "difference", "p", "p (BH)", "significant"], paired_rows(tests, metric)
+    )
+
+
+def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) -> str:
+    """Paired tests and flips of one sweep between two of its steps (default: first and last)."""
+    available = [r["step"] for r in run.records_up_to_step]
+    first, last = steps or (available[0], available[-1])
+    for step in (first, last):
+        if step not in available:
+            raise ValueError(f"{run.path}: no step {step} (steps: {', '.join(map(str, available))})")
+    at = {r["step"]: r for r in run.records_up_to_step}  # the last record of a step scored twice
+    before, after = (read_outcomes(at[s], f"{run.path} at step {s}") for s in (first, last))
+    tests = paired_tests(before, after)
+    parts = [f"<h3>{escape(run.label)}: step {first} against step {last}</h3>"]
+    for metric in ("acc_norm", "acc"):
+        flipped = flips(getattr(before, metric), getattr(after, metric))
+        parts.append(_flip_block(run.label, str(first), str(last), metric, flipped, before.phenomena, sentences, details))
+    parts.append(f"<b>acc_norm, per phenomenon</b>{_tests_table(tests, 'acc_norm')}")
+    parts.append(f"<details><summary>acc, per phenomenon</summary>{_tests_table(tests, 'acc')}</details>")
+    return "".join(parts)
+
+
+def _never_and_unstable(run: Run, sentences, details) -> str:
+    outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records_up_to_step]
+    found = sweep_flips(outcomes)
+    phenomena = outcomes[0].phenomena
+    never = sum(len(f.never_learned) for f in found.values())
+    unstable = sum(len(f.unstable) for f in found.values())
+    parts = [
+        f'<h3>{escape(run.label)}: <b class="never-count">{never}</b> pairs never learned, '
+        f'<b class="unstable-count">{unstable}</b> unstable (acc_norm, over {len(outcomes)} evaluations)</h3>'
+    ]
+    for name, f in found.items():
+        if f.never_learned or f.unstable:
+            parts.append(
+                f"<details><summary>{escape(name)}: {len(f.never_learned)} never learned, {len(f.unstable)} unstable</summary>"
+                f"<b>never learned</b>{_pair_items(f.never_learned, phenomena, sentences, details)}"
+                f"<b>unstable</b>{_pair_items(f.unstable, phenomena, sentences, None)}</details>"
+            )
+    return "".join(parts)
+
+
+def report_pairs(runs: Sequence[Run], steps: tuple[int, int] | None = None) -> list[int]:
+    """The pairs the report lists for the first run: lost and learned between its two steps, and never learned."""
+    run = runs[0]
+    if not run.is_sweep:
+        return []
+    at = {r["step"]: r for r in run.records_up_to_step}
+    first, last = steps or (min(at), max(at))
+    before, after = (read_outcomes(at[s], str(run.path)) for s in (first, last))
+    flipped = flips(before.acc_norm, after.acc_norm)
+    never = [
+        i
+        for f in sweep_flips([read_outcomes(r, str(run.path)) for r in run.records_up_to_step]).values()
+        for i in f.never_learned
+    ]
+    return sorted({*flipped.lost, *flipped.learned, *never})
+
+
+def build_report(
+    runs: Sequence[Run],
+    *,
+    steps: tuple[int, int] | None = None,
+    data: str | os.PathLike | None = None,
+    details: Mapping[int, Any] | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    title: str = "TatBLiMP report",
+) -> str:
+    """The HTML page (a string) for ``runs``; the first is the baseline of the paired tests.
+
+    Args:
+        runs: results files read with ``runs.load_runs``.
+        steps: the two steps of each sweep to test against each other (default: its first and last).
+        data: the benchmark file, for the sentences (default: the one the results name).
+        details: pair index -> (``PairResult``, ``PairTokens``) of the first run's model, shown token by token.
+        threshold: the acc_norm that counts as acquired.
+        title: the page title.
+    """
+    sweeps = [run for run in runs if run.is_sweep]
+    sentences = pair_sentences(runs[0].record, data)
+    comparison = compare_runs(list(runs), threshold=threshold, paired=len(runs) > 1)
+    created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    release = runs[0].record.get("benchmark", {}).get("release", "?")
+    body = [f"<h1>{escape(title)}</h1>", f'<div class="meta">{escape(release)} · written {created} by tatblimp report</div>']
+    overview = [
+        [
+            run.label,
+            f"{len(run.records_up_to_step)} (last: step {run.record['step']})" if run.is_sweep else "1",
+            f"{run.record['acc_norm']:.4f} {format_interval(run.record.get('acc_norm_ci'))}",
+            f"{run.record['acc']:.4f} {format_interval(run.record.get('acc_ci'))}",
+            str(run.path),
+            str(run.record.get("tokenizer", "-")),
+        ]
+        for run in runs
+    ]
+    body.append(_table(["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer"], overview, "overview"))
+    if sweeps:
+        body.append("<h2>Overall accuracy over training</h2>")
+        body.append(
+            '<div class="meta">Bands: 95% Wilson intervals. Dotted: chance (0.5); dashed: the acquisition threshold.</div>'
+        )
+        charts = [
+            line_chart(
+                [_series(r, f"tatblimp/{m}", PALETTE[k % len(PALETTE)]) for k, r in enumerate(sweeps)],
+                f"{m} (overall)",
+                threshold=threshold if m == "acc_norm" else None,
+                chart_id=f"curve-{m}",
+            )
+            for m in ("acc_norm", "acc")
+        ]
+        body.append(f'<div class="row">{"".join(charts)}</div>')
+        body.append("<h2>acc_norm per phenomenon and step</h2>")
+        body.append(f'<div class="meta">Outlined: the acquisition step (acc_norm reaches {threshold} and stays there).</div>')
+        maps = []
+        for k, run in enumerate(sweeps):
+            history = run.history
+            names = list(run.record["phenomena"])
+            values = {(n, e["step"]): e.get(f"tatblimp/{n}/acc_norm") for e in history for n in names}
+            marks = acquisition_steps(history, threshold)
+            steps_shown = [e["step"] for e in history]
+            maps.append(
+                f'<div class="scroll">{heatmap(names, steps_shown, values, run.label, chart_id=f"heatmap-{k}", marks=marks)}</div>'
+            )
+        body.append(f'<div class="row">{"".join(maps)}</div>')
+    metrics, acquisition = comparison_rows(comparison)
+    body.append("<h2>Side by side</h2>")
+    body.append(
+        '<div class="meta">Phenomena rows: acc_norm [95% interval]; *: differs from the baseline (paired test, BH-adjusted).</div>'
+    )
+    tables = [_table(["metric", *[r.label for r in runs]], metrics)]
+    if acquisition:
+        tables.append(_table([f"acquisition step (acc_norm >= {threshold} to the end)", *[r.label for r in runs]], acquisition))
+    body.append(f'<div class="row">{"".join(tables)}</div>')
+    for label, tests in comparison.tests.items():
+        base = comparison.baseline
+        other = next(r for r in runs if r.label == label)
+        body.append(f"<h2>{escape(label)} against {escape(base.label)} (baseline), pair by pair</h2>")
+        for metric in ("acc_norm", "acc"):
+            flipped = flips(getattr(base.outcomes, metric), getattr(other.outcomes, metric))
+            body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, sentences, None))
+        body.append(_tests_table(tests, "acc_norm"))
+    if sweeps:
+        body.append("<h2>Pairs learned and lost during training</h2>")
+        body.append(
+            '<div class="meta">Lost: passed at the first step, failed at the last; learned: the reverse. Click a count for '
+            "the pairs. The paired tests are exact McNemar tests on those pairs, BH-adjusted over the phenomena.</div>"
+        )
+        body += [_between_steps(run, steps, sentences, details if run is runs[0] else None) for run in sweeps]
+        body.append("<h2>Pairs never learned, and unstable pairs</h2>")
+        body.append(
+            '<div class="meta">Never learned: failed acc_norm at every evaluation. Unstable: the outcome changed more than twice.</div>'
+        )
+        body += [_never_and_unstable(run, sentences, details if run is runs[0] else None) for run in sweeps]
+    if sentences is None:
+        body.append('<p class="meta">Sentences are not shown: the benchmark file was not found (tatblimp report --data).</p>')
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Path:
+    """``build_report(runs, **options)`` written to ``path`` (UTF-8); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(build_report(runs, **options), encoding="utf-8")
+    return path
+
+
+def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
+    """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
+    run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
+    runs = load_runs([history])
+    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)
+    logger.info("tatblimp: wrote the report %s", output)
+    if wandb_key is not None:
+        from .reporting import wandb_run
+
+        run = wandb_run()
+        if run is not None:
+            import wandb
+
+            with output.open(encoding="utf-8") as page:  # a file object: read as HTML, whatever the file's name
+                run.log({wandb_key: wandb.Html(page, inject=False)})
+
+
+def add_report_parser(commands) -> None:
+    """Add ``tatblimp report`` to the CLI's sub-commands."""
+    from .loading import add_model_arguments
+
+    parser = commands.add_parser("report", help="write one self-contained HTML report of runs (curves, heatmap, flips)")
+    parser.add_argument("results", nargs="+", help="sweep / history JSONL files or score --output JSON files (first: baseline)")
+    parser.add_argument("--output", required=True, help="the HTML file to write")
+    parser.add_argument(
+        "--steps", type=int, nargs=2, metavar=("A", "B"), help="test these two steps of each sweep (default: first, last)"
+    )
+    parser.add_argument(
+        "--model", help="show the first run's flipped and never-learned pairs token by token, scored by this model"
+    )
+    parser.add_argument(
+        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
+    )
+    parser.add_argument("--title", default="TatBLiMP report", help="the page title")
+    add_model_arguments(parser)
+    parser.set_defaults(run=run_report)
+
+
+def run_report(args: argparse.Namespace) -> None:
+    runs = load_runs(args.results)
+    details = None
+    if args.model:
+        from .data import load_benchmark
+        from .explain import score_pairs
+        from .loading import load_model, load_tokenizer, tokenizer_source
+
+        benchmark = load_benchmark(
+            args.data or runs[0].record.get("benchmark", {}).get("source"), allow_modified=args.allow_modified
+        )
+        if benchmark.md5 != runs[0].record.get("benchmark", {}).get("md5"):
+            raise ValueError(f"{benchmark.source} is not the benchmark file {runs[0].path} was scored on (md5 differs)")
+        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
+        model = load_model(args.model, args.device, args.dtype)
+        details = score_pairs(
+            model,
+            tokenizer,
+            benchmark,
+            report_pairs(runs, args.steps),
+            prefix_token_id=args.prefix_token_id,
+            truncate=args.truncate,
+        )
+    path = write_report(
+        args.output,
+        runs,
+        steps=tuple(args.steps) if args.steps else None,
+        data=args.data,
+        details=details,
+        threshold=args.threshold,
+        title=args.title,
+    )
+    print(f"wrote {path}")

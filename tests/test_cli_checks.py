@@ -1,0 +1,204 @@
+"""What a new user gets wrong fails at once with a message that points the right way; output survives `| head`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, tiny_llama
+from tatblimp_callback import TatBLiMPCallback, evaluate
+from tatblimp_callback.cli import build_parser, main
+from tatblimp_callback.scoring import ScoringError
+
+TATBLIMP = str(Path(sys.executable).parent / "tatblimp")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, bpe_tokenizer):
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def error_of(args, capsys) -> str:
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    return err.split(": error: ", 1)[1].rstrip("\n")
+
+
+def test_a_mistyped_path_fails_without_asking_the_hub(tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # as on a user's machine: the Hub would be asked, with retries
+    asked = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: asked.append(args))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: asked.append(args))
+    assert error_of(["score", "runs/nope", "--data", str(DATA)], capsys) == (
+        "runs/nope: no such model folder (not taken as a Hub id: runs is a local folder)"
+    )
+    for name in ("./x", "../x", "a/b/c", "runs/x/checkpoint-40"):
+        assert error_of(["score", name, "--data", str(DATA)], capsys).startswith(f"{name}: no such model folder")
+    assert asked == []
+
+
+@pytest.mark.slow
+def test_a_mistyped_path_fails_at_once_in_a_real_process(tmp_path):
+    """Before, `runs/nope` next to a folder `runs` spent 51 s in Hub retries; the bound here is far below that."""
+    (tmp_path / "runs").mkdir()
+    env = {key: value for key, value in __import__("os").environ.items() if key != "HF_HUB_OFFLINE"}
+    done = subprocess.run(
+        [TATBLIMP, "score", "runs/nope", "--data", str(DATA)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=40
+    )
+    assert done.returncode == 1
+    assert (
+        done.stderr == "tatblimp score: error: runs/nope: no such model folder (not taken as a Hub id: runs is a local folder)\n"
+    )
+
+
+def test_what_needs_no_model_is_checked_before_it_loads(model_dir, tmp_path, monkeypatch, capsys):
+    import tatblimp_callback.cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    (tmp_path / "a-file").write_text("")
+    model = ["score", str(model_dir)]
+    assert error_of([*model, "--data", str(tmp_path / "nope.jsonl")], capsys).startswith(
+        f"{tmp_path / 'nope.jsonl'}: cannot read the benchmark file"
+    )
+    assert error_of([*model, "--output", str(tmp_path / "a-file" / "r.json")], capsys) == (
+        f"--output {tmp_path / 'a-file' / 'r.json'}: {tmp_path / 'a-file'} is a file, not a folder"
+    )
+    assert error_of([*model, "--output", str(tmp_path)], capsys) == f"--output {tmp_path}: a folder; give a file name"
+    assert (
+        error_of([*model, "--data", str(DATA), "--tokenizer", str(tmp_path / "tok")], capsys)
+        == f"{tmp_path / 'tok'}: no such tokenizer folder"
+    )
+    assert error_of([*model, "--data", str(DATA), "--phenomena", "binding,nope"], capsys).startswith(
+        f"{DATA}: no phenomenon nope"
+    )
+    assert error_of([*model, "--data", str(DATA), "--limit", "0"], capsys) == "limit must be at least 1, got 0"
+
+
+def test_score_names_a_damaged_weights_file(model_dir, tmp_path, capsys):
+    damaged = shutil.copytree(model_dir, tmp_path / "checkpoint-40")
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    assert error_of(["score", str(damaged), "--data", str(DATA)], capsys).startswith(
+        f"{weights}: cannot be read, the weights file is damaged or incomplete ("
+    )
+    weights.write_bytes(b"\xff" * 64)  # a header length that makes no sense
+    assert error_of(["score", str(damaged), "--data", str(DATA)], capsys).startswith(
+        f"{weights}: cannot be read, the weights file is damaged or incomplete ("
+    )
+
+
+def test_verbose_works_after_the_command_and_each_command_lists_it(tmp_path, capsys, caplog):
+    parser = build_parser()
+    assert parser.parse_args(["score", "m", "-v"]).verbose and parser.parse_args(["-v", "score", "m"]).verbose
+    assert not parser.parse_args(["score", "m"]).verbose
+    assert parser.parse_args(["sweep", "r", "--verbose"]).verbose and parser.parse_args(["compare", "a", "-v"]).verbose
+    for command in ("score", "sweep", "compare"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "-v, --verbose" in capsys.readouterr().out
+    assert main(["score", str(tmp_path / "nope"), "--data", str(DATA), "-v"]) == 1
+    assert "tatblimp score failed\nTraceback" in caplog.text  # -v after the command took effect: the traceback is logged
+
+
+def test_version(capsys):
+    from tatblimp_callback import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"tatblimp {__version__}\n"
+
+
+@pytest.mark.parametrize("eval_steps", [None, "500", 0, -3, 1.5, True])
+def test_eval_steps_that_are_neither_steps_nor_a_fraction_are_refused(eval_steps):
+    with pytest.raises(ValueError, match=r"eval_steps must be a number of steps .* or a fraction of the run's total steps"):
+        TatBLiMPCallback(eval_steps=eval_steps)
+
+
+def test_a_prefix_token_past_the_vocabulary_is_named_as_such(bpe_tokenizer, small_data):
+    model = tiny_llama(len(bpe_tokenizer))
+    with pytest.raises(ScoringError) as raised:
+        evaluate(model, bpe_tokenizer, small_data, allow_modified=True, prefix_token_id=99999)
+    assert str(raised.value) == (
+        f"prefix token id 99999 is not a token of the model (its embedding has {len(bpe_tokenizer)} rows); pass a "
+        "prefix_token_id below that (tatblimp: --prefix-token-id), or none for the tokenizer's BOS/EOS"
+    )
+
+
+def test_compare_says_it_takes_log_prob_results_for_a_forced_choice_file(model_dir, chat_tokenizer, tmp_path, capsys):
+    chat = shutil.copytree(model_dir, tmp_path / "chat")
+    chat_tokenizer.save_pretrained(chat)
+    result = tmp_path / "fc.json"
+    args = ["--data", str(DATA), "--device", "cpu", "--limit", "1", "--output", str(result)]
+    assert main(["score", str(chat), "--protocol", "forced-choice", *args]) == 0
+    capsys.readouterr()
+    assert error_of(["compare", str(result)], capsys) == (
+        f"{result}: a forced-choice result (score --protocol forced-choice); compare takes log-prob results "
+        "(score --output without --protocol, sweep and callback history lines)"
+    )
+
+
+@pytest.fixture(scope="module")
+def results_files(model_dir, bpe_tokenizer, tmp_path_factory):
+    """A two-line sweep file and one score --output file, all of two phenomena, 3 pairs each."""
+    folder = tmp_path_factory.mktemp("results")
+    other = folder / "other-model"
+    tiny_llama(len(bpe_tokenizer), seed=1).save_pretrained(other)
+    bpe_tokenizer.save_pretrained(other)
+    common = ["--data", str(DATA), "--device", "cpu", "--limit", "3", "--phenomena", "binding,passives"]
+    records = []
+    for model, name in ((model_dir, "a.json"), (other, "b.json")):
+        assert main(["score", str(model), *common, "--output", str(folder / name)]) == 0
+        records.append(json.loads((folder / name).read_text()))
+    sweep = folder / "run" / "tatblimp.jsonl"
+    sweep.parent.mkdir()
+    sweep.write_text("".join(json.dumps({"step": step, **r}) + "\n" for step, r in zip((10, 20), records)))
+    return sweep, folder / "b.json"
+
+
+@pytest.mark.slow
+def test_output_piped_into_head_writes_every_file_and_is_not_an_error(results_files, tmp_path):
+    sweep, single = results_files
+    out = tmp_path / "out"
+    command = (
+        f"set -o pipefail; {TATBLIMP} compare {sweep} {single} --json {out}/c.json --markdown {out}/c.md --plot {out}/c.png"
+        " | head -n 0"  # head exits at once: every line the command prints meets a closed pipe
+    )
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == ""
+    assert json.loads((out / "c.json").read_text())["runs"][0]["label"] == "run"
+    assert (out / "c.md").read_text().startswith("## TatBLiMP comparison")
+    assert (out / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_missing_matplotlib_is_reported_before_the_tables(results_files, tmp_path, monkeypatch, capsys):
+    sweep, single = results_files
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["compare", str(sweep), str(single), "--plot", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "c.json").exists()
+    assert captured.err == "tatblimp compare: error: plotting needs matplotlib: pip install 'tatblimp-callback[plot]'\n"
+
+
+def test_compare_refuses_pairing_results_of_different_selections(results_files, tmp_path, capsys):
+    _, single = results_files
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({**json.loads(single.read_text()), "selection": None}))
+    selection = "first 3 pairs of each phenomenon; phenomena binding,passives (6 of 1248 pairs)"
+    assert error_of(["compare", str(single), str(whole)], capsys) == (
+        f"the results cover different pairs (b: {selection}, whole: all pairs); they cannot be compared pair by pair "
+        "(--no-paired shows them side by side)"
+    )
+    assert main(["compare", str(single), str(whole), "--no-paired"]) == 0

@@ -1,0 +1,116 @@
+"""Results say what made them (versions, dtype, device, date), list each pair's sentences and outcomes, and
+say when they cover only some pairs (``--limit``, ``--phenomena``)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import torch
+import transformers
+
+from conftest import DATA, tiny_llama
+from tatblimp_callback import __version__, build_cache, load_benchmark
+from tatblimp_callback.cli import main
+from tatblimp_callback.data import OFFICIAL_MD5, BenchmarkError
+from tatblimp_callback.sweep import SweepOptions, sweep
+
+ENVIRONMENT = {
+    "python": platform.python_version(),
+    "torch": torch.__version__,
+    "transformers": transformers.__version__,
+    "tatblimp_callback": __version__,
+}
+
+
+def assert_made_by_this_machine(record: dict, dtype: str) -> None:
+    assert record["environment"] == ENVIRONMENT and record["dtype"] == dtype and record["device"] == "cpu"
+    created = datetime.strptime(record["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    assert abs(datetime.now(timezone.utc) - created) < timedelta(hours=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, bpe_tokenizer):
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def first_pairs(limit: int, phenomena=None):
+    seen: dict[str, int] = {}
+    kept = []
+    for pair in load_benchmark(DATA).pairs:
+        if (phenomena is None or pair.phenomenon in phenomena) and seen.get(pair.phenomenon, 0) < limit:
+            seen[pair.phenomenon] = seen.get(pair.phenomenon, 0) + 1
+            kept.append(pair)
+    return kept
+
+
+def test_a_limited_score_is_partial_and_says_what_made_it_pair_by_pair(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["--data", str(DATA), "--device", "cpu", "--dtype", "bfloat16", "--limit", "2", "--output", str(out)]
+    assert main(["score", str(model_dir), *args]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    selection = "first 2 pairs of each phenomenon (32 of 1248 pairs)"
+    assert header == f"TatBLiMP v1.0 (2026-06-19), partial: {selection}  dtype: bfloat16  tokenizer: {model_dir}"
+    result = json.loads(out.read_text())
+    assert_made_by_this_machine(result, "bfloat16")
+    assert result["partial"] is True and result["selection"] == selection and result["n"] == 32
+    assert result["benchmark"]["md5"] == OFFICIAL_MD5 and {g["n"] for g in result["phenomena"].values()} == {2}
+    rows = result["pairs"]
+    assert [(row["good"], row["bad"], row["phenomenon"]) for row in rows] == [
+        (p.good, p.bad, p.phenomenon) for p in first_pairs(2)
+    ]
+    for row in rows:
+        assert row["passed"] == (row["good_logprob"] > row["bad_logprob"])
+        assert row["passed_norm"] == (row["good_logprob"] / row["good_bytes"] > row["bad_logprob"] / row["bad_bytes"])
+    assert sum(row["passed"] for row in rows) / 32 == result["acc"]
+    assert sum(row["passed_norm"] for row in rows) / 32 == result["acc_norm"]
+    assert result["non_finite_pairs"] == 0  # partial here only because of the selection
+
+
+def test_chosen_phenomena_keep_the_benchmark_order(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["score", str(model_dir), "--data", str(DATA), "--phenomena", "passives, binding", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert list(result["phenomena"]) == ["binding", "passives"] and result["n"] == 78 + 83
+    assert result["selection"] == "phenomena binding,passives (161 of 1248 pairs)" and result["partial"] is True
+    assert [row["good"] for row in result["pairs"]] == [p.good for p in first_pairs(1000, {"binding", "passives"})]
+
+
+def test_selection_errors_and_the_cache_of_a_selection(bpe_tokenizer, small_data, tmp_path):
+    benchmark = load_benchmark(small_data, allow_modified=True)
+    with pytest.raises(BenchmarkError, match="no phenomenon nope, other"):
+        benchmark.select(phenomena="binding,nope,other")
+    assert benchmark.select() is benchmark
+    path = tmp_path / "cache.safetensors"
+    assert build_cache(bpe_tokenizer, benchmark, cache_path=path).num_pairs == 48
+    # The same file, tokenizer and prefix but fewer pairs: another cache, not the saved one.
+    assert build_cache(bpe_tokenizer, benchmark.select(limit=1), cache_path=path).num_pairs == 16
+
+
+def test_a_sweep_record_says_what_made_it(model_dir, small_data, tmp_path):
+    shutil.copytree(model_dir, tmp_path / "run" / "checkpoint-7")
+    (tmp_path / "run" / "checkpoint-7" / "trainer_state.json").write_text("{}")
+    report = sweep(tmp_path / "run", SweepOptions(data=str(small_data), allow_modified=True, progress=False, device="cpu"))
+    (record,) = [json.loads(line) for line in report.results_path.read_text().splitlines()]
+    assert_made_by_this_machine(record, "float32")
+    assert record["partial"] is False and record["selection"] is None
+
+
+def test_endpoint_answers_of_the_whole_benchmark_are_not_reused_for_a_selection(small_data, tmp_path):
+    from tatblimp_callback.endpoint import EndpointError, _load_results, _open_results
+
+    benchmark = load_benchmark(small_data, allow_modified=True)
+    header = {"tatblimp_forced_choice": 1, "model": "m", "benchmark_md5": benchmark.md5, "prompt": "p", "system_prompt": None}
+    path = tmp_path / "answers.jsonl"
+    with _open_results(path, {**header, "benchmark_selection": None}) as sink:
+        sink.write(json.dumps({"item": 0, "text": "A"}) + "\n")
+    assert _load_results(path, {**header, "benchmark_selection": None}, 96) == {0: "A"}
+    selection = benchmark.select(limit=1).selection
+    with pytest.raises(EndpointError, match="holds answers for a different benchmark selection"):
+        _load_results(path, {**header, "benchmark_selection": selection}, 32)
