@@ -167,7 +167,12 @@ class Evaluator:
                 results = part
                 if self.include_tokens:  # TatBLiMP's own pairs: the first sentences of the fused cache
                     n = cache.num_sentences
-                    own = replace(scorer.cache, token_ids=scorer.cache.token_ids[: int(scorer.cache.offsets[n])], offsets=scorer.cache.offsets[: n + 1], _host_lengths=None)
+                    own = replace(
+                        scorer.cache,
+                        token_ids=scorer.cache.token_ids[: int(scorer.cache.offsets[n])],
+                        offsets=scorer.cache.offsets[: n + 1],
+                        _host_lengths=None,
+                    )
                     results.pair_tokens = pair_tokens(own, scorer.token_logprobs()[:n], self.tokenizer)
                 if isinstance(self.data, Suite):  # a suite scored alone
                     results.left_out = [dict(entry) for entry in self.data.left_out]
