@@ -23,6 +23,9 @@ The tokenizer is the 48K SentencePiece model converted by transformers (``LlamaT
 folder holding it as ``tokenizer.model``): the tokenizer lm-eval would load.
 
     python benchmarks/bench_scoring.py --model-shape tiny --json bench_tiny.json
+
+``--suites``: TatBLiMP with 16,000 and with all 66,993 scorable pairs of BLiMP in one fused evaluation,
+against lm-eval on the same sentences (see ``bench_suites.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ sys.path.insert(0, str(REPO))
 from tatblimp_callback import Scorer, build_cache, load_benchmark  # noqa: E402
 
 SHAPES = {
+    # 1.5M parameters, nearly all the tied 48K x 32 embedding: the suites mode's model
+    "1.5m": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     # about 15M parameters, 12.3M of them the tied 48K x 256 embedding
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4),
     "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12),
@@ -308,6 +313,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-lm-eval", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--suites", action="store_true", help="TatBLiMP + 16,000 / all BLiMP pairs in one pass (bench_suites.py)")
+    parser.add_argument("--lm-eval-workload", help="--suites: the workload lm-eval scores (default: the last)")
+    parser.add_argument("--suite-pairs", help="--suites: BLiMP pairs added to TatBLiMP, per workload (default: 0,16000,all)")
+    parser.add_argument("--layout-memory", action="store_true", help="--suites: the layouts' tensor bytes only, no scoring")
+    parser.add_argument("--method", default="tree", help="--suites: the scoring method the Evaluator is given (default: tree)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -325,6 +335,15 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
     }
     log = lambda *parts: print(*parts, flush=True)  # noqa: E731
+    if args.suites:
+        from bench_suites import run_suites
+
+        report["load"] = os.getloadavg()
+        run_suites(args, report, log)
+        report["load_after"] = os.getloadavg()
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return report
 
     tokenizer = load_converted_tokenizer(args.tokenizer)
     benchmark = load_benchmark(args.data, allow_modified=True)

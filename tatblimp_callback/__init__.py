@@ -1,7 +1,7 @@
 """Score causal language models on TatBLiMP, the Tatar benchmark of linguistic minimal pairs.
 
 Entry points: ``TatBLiMPCallback`` for the Hugging Face Trainer, ``evaluate`` and ``Evaluator``
-for custom loops, ``load_benchmark`` for the data, and the ``tatblimp`` command. Chat models:
+for custom loops, ``load_benchmark`` for the data (``load_suite`` for BLiMP, TurBLiMP, MultiBLiMP or your own), and the ``tatblimp`` command. Chat models:
 ``evaluate_forced_choice`` (local) and ``evaluate_endpoint`` (an OpenAI-compatible server).
 """
 
@@ -15,6 +15,7 @@ from .forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_
 from .loading import load_tokenizer
 from .metrics import GroupResult, PairResult, Results, compute_results
 from .scoring import Scorer, ScoringError, ScoringMethod
+from .suites import Suite, load_suite
 from .tokenization import SentencePieceTokenizer, TokenizationError
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
@@ -37,6 +38,7 @@ __all__ = [
     "ScoringMethod",
     "SentenceCache",
     "SentencePieceTokenizer",
+    "Suite",
     "TatBLiMPCallback",
     "TokenizationError",
     "build_cache",
@@ -45,6 +47,7 @@ __all__ = [
     "evaluate_endpoint",
     "evaluate_forced_choice",
     "load_benchmark",
+    "load_suite",
     "load_tokenizer",
     "this_process_only",
 ]

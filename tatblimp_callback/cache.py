@@ -86,6 +86,11 @@ class SentenceCache:
             self._host_lengths = (self.offsets[1:] - self.offsets[:-1]).tolist()
         return self._host_lengths
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors (the cache's size on its device)."""
+        return sum(getattr(self, name).nbytes for name in _TENSOR_FIELDS)
+
     def sentence(self, index: int) -> list[int]:
         return self.token_ids[self.offsets[index] : self.offsets[index + 1]].tolist()
 
@@ -241,4 +246,30 @@ def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts
         benchmark_selection=benchmark.selection,
         sentences=benchmark.sentences,
         **fields,
+    )
+
+
+def concat_caches(caches: list[SentenceCache]) -> SentenceCache:
+    """One cache of the sequences of ``caches`` one after the other (for one fused pass over several suites).
+
+    Token ids, offsets and byte lengths are concatenated; names, pair labels and truncation stay with the
+    parts (the results of each part are computed from its own cache). All parts must share the prefix token.
+    """
+    first = caches[0]
+    if len({cache.prefix_token_id for cache in caches}) > 1:
+        raise ValueError("caches with different prefix tokens cannot be scored in one pass")
+    starts = torch.tensor([0, *(int(c.offsets[-1]) for c in caches)], dtype=torch.long).cumsum(0)
+    return replace(
+        first,
+        token_ids=torch.cat([c.token_ids for c in caches]),
+        offsets=torch.cat([first.offsets[:1], *(c.offsets[1:] + start for c, start in zip(caches, starts.tolist()))]),
+        byte_lengths=torch.cat([c.byte_lengths for c in caches]),
+        phenomenon_index=first.phenomenon_index.new_empty(0),
+        subtype_index=first.subtype_index.new_empty(0),
+        phenomena=[],
+        subtypes=[],
+        fingerprint=":".join(c.fingerprint for c in caches),
+        benchmark_source=", ".join(c.benchmark_source for c in caches),
+        truncated=[],
+        _host_lengths=None,
     )

@@ -9,6 +9,12 @@ and in eval mode, restores the model's mode and every random number generator, a
 ``tatblimp/acc``, ``tatblimp/acc_norm`` and ``tatblimp/<phenomenon>/{acc,acc_norm}`` at the
 global step. Steps where no scoring is due do an integer comparison and nothing else.
 
+More minimal-pair suites (``suites={"blimp": "blimp/data"}``; see ``suites.py``) are tokenized into the
+same cache and scored in the same forward sweep; each logs ``<name>/acc``, ``<name>/acc_norm`` and
+``<name>/<phenomenon>/{acc,acc_norm}`` (its own wandb section) at the same steps, and writes its own
+history file. A big suite can be scored less often: ``suite_every={"blimp": 10}`` scores BLiMP at every
+10th evaluation (the first included), TatBLiMP at every one.
+
 The run's life: on resume the history is rebuilt from the restored ``state.log_history`` (nothing is
 scored twice); every Trainer evaluation also scores, and its metrics get ``eval_<prefix>/...`` keys for
 ``metric_for_best_model`` and ``EarlyStoppingCallback``; the final weights are scored, and the end-of-training
@@ -17,6 +23,7 @@ table logged, before the Trainer loads the best checkpoint and its reporters clo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -32,6 +39,7 @@ from .forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceRe
 from .metrics import Results
 from .model_checks import unwrap_model, weights_label
 from .monitoring_errors import ErrorLog, rng_preserved
+from .suite_schedule import check_suite_options, suite_history_files, suites_due
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +142,17 @@ class TatBLiMPCallback(TrainerCallback):
     forced_choice_prompt: str | None = None
     """The forced-choice user message with ``{a}`` and ``{b}``; None: ``forced_choice.DEFAULT_PROMPT``."""
 
+    suites: dict[str, Any] | None = None
+    """More suites to score in the same pass as TatBLiMP, ``{name: path or suites.Suite}``: a BLiMP, TurBLiMP or
+    MultiBLiMP folder or file, or your own (see ``suites.load_suite``), e.g. to see English grammar hold while
+    a model learns Tatar. Each logs ``<name>/acc``, ``<name>/acc_norm``, ``<name>/<phenomenon>/{acc,acc_norm}``
+    and writes ``<history_file stem>.<name>.jsonl``; ``last_results.suites[name]`` holds its results."""
+
+    suite_every: int | dict[str, int] = 1
+    """Score the suites at every k-th evaluation only (counting from the first, which scores them): one number
+    for all, or ``{name: k}`` (a missing name: every evaluation). TatBLiMP is scored at every evaluation;
+    ``suite_every={"blimp": 10}`` keeps a 67,000-pair BLiMP from making every evaluation 54 times longer."""
+
     history: list[dict[str, float]] = field(default_factory=list, init=False)
     """One entry per evaluation: ``step`` and the logged metrics."""
 
@@ -160,7 +179,10 @@ class TatBLiMPCallback(TrainerCallback):
         self._fc_evaluator: ForcedChoiceEvaluator | None = None
         self._evaluator: Evaluator | None = None
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
-        self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc"])
+        check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
+        self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {})])
+        self._suite_history_files: dict[str, reporting.HistoryFile] = {}
+        self.last_suite_results: dict[str, Results] = {}
         self._warned_unreachable = False
         self._started = False  # on_train_begin ran, or an evaluation before train() did its part
         self._errors = ErrorLog()
@@ -217,6 +239,7 @@ class TatBLiMPCallback(TrainerCallback):
                         "tatblimp: cannot use the history file %s (%s); none is written in this run", self._history_file.path, err
                     )
                     self._history_file = None
+            self._suite_history_files = suite_history_files(self._history_file, self.suites, self.history)
         if state.is_world_process_zero:
             missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
@@ -305,7 +328,8 @@ class TatBLiMPCallback(TrainerCallback):
         return self.trainer
 
     def _is_our_metric(self, name: str | None) -> bool:
-        return (name or "").removeprefix("eval_").startswith((f"{self.log_prefix}/", f"{self.log_prefix}_fc/"))
+        prefixes = (self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {}))
+        return (name or "").removeprefix("eval_").startswith(tuple(f"{prefix}/" for prefix in prefixes))
 
     def _is_ours(self, entry: dict[str, Any]) -> bool:
         return any(key.startswith((f"{self.log_prefix}/", f"{self.log_prefix}_fc/")) for key in entry)
@@ -335,6 +359,7 @@ class TatBLiMPCallback(TrainerCallback):
                     memory_budget=self.memory_budget,
                     truncate=self.truncate,
                     cache_path=callback_options.under_output_dir(self.cache_path, output_dir),
+                    suites=self.suites,
                 )
         for evaluator in (self._fc_evaluator, self._evaluator):
             if evaluator is not None:
@@ -358,6 +383,8 @@ class TatBLiMPCallback(TrainerCallback):
         wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
             self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
+            for name, results in self.last_suite_results.items():
+                self._guarded(self._wandb.log_results, name, results, {})
         if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
             from .report import report_at_end_of_training
 
@@ -391,7 +418,10 @@ class TatBLiMPCallback(TrainerCallback):
                 self._record(args, state, control, known, self.last_results if self._last_results_weights == weights else None)
             return known
         with rng_preserved():
-            results = self._guarded(self._evaluator, model) if self._evaluator is not None else None
+            evaluator = self._evaluator
+            if self.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
+                evaluator = functools.partial(evaluator, suites=suites_due(self.suites, self.suite_every, len(self.history)))
+            results = self._guarded(evaluator, model) if evaluator is not None else None
             fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
         metrics = {}
         if results is not None:
@@ -405,6 +435,9 @@ class TatBLiMPCallback(TrainerCallback):
                     ", ".join(name for name, group in results.phenomena.items() if group.non_finite),
                 )
             metrics[f"{self.log_prefix}/eval_seconds"] = results.run_info["seconds"]
+            for name, suite in results.suites.items():
+                self.last_suite_results[name] = suite
+                metrics.update(suite.flat_metrics(name))
         if fc_results is not None:
             self.last_fc_results = fc_results
             metrics.update(fc_results.flat_metrics(f"{self.log_prefix}_fc"))
@@ -450,8 +483,14 @@ class TatBLiMPCallback(TrainerCallback):
             self._guarded(self._wandb.log, metrics, step)
         if results is not None and self._history_file is not None:
             self._guarded(self._history_file.append, step, results)
+        for name, suite in (results.suites if results is not None else {}).items():
+            if name in self._suite_history_files:
+                self._guarded(self._suite_history_files[name].append, step, suite)
         if f"{self.log_prefix}/acc" in metrics or f"{self.log_prefix}_fc/accuracy" in metrics:
-            reporting.print_line(reporting.console_line(step, metrics, self.log_prefix))
+            line = reporting.console_line(step, metrics, self.log_prefix)
+            for name in results.suites if results is not None else ():
+                line += f"  {name} acc_norm {metrics[f'{name}/acc_norm']:.4f}"
+            reporting.print_line(line)
 
 
 _RESTORED = "restored"  # the weights of a resumed run's last restored point: its checkpoint's

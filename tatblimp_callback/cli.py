@@ -1,6 +1,7 @@
 """The ``tatblimp`` command.
 
     tatblimp score MODEL_DIR [--data PATH] [--device DEV] [--dtype DTYPE] [--output results.json]
+    tatblimp score MODEL_DIR --suite blimp=DIR [--suite turblimp=DIR]    (more suites in the same pass; see suites.py)
     tatblimp score MODEL_DIR --protocol forced-choice            (a local chat model; see forced_choice.py)
     tatblimp score --endpoint URL --model-name NAME --protocol forced-choice   (see endpoint.py)
     tatblimp sweep RUN_DIR [--data PATH] [--watch] [--wandb-project P]   (see sweep.py)
@@ -31,6 +32,7 @@ from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_
 from .outputs import check_output_file, say, silence_stdout, write_text
 from .placement import placement_options
 from .report import add_report_parser
+from .suites import add_suite_arguments, suites_from_args
 from .sweep import add_sweep_parser
 
 VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add each pair's token log-probs, token texts and edit span to pairs[i] of --output (see diagnostics docs)",
     )
+    add_suite_arguments(score)
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
 
@@ -94,7 +97,11 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     from .tokenization import check_sentencepiece_mismatch
 
     tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing
-    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+    suites = suites_from_args(args)
+    if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
+        benchmark = suites.pop(next(iter(suites)))
+    else:
+        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
     source, tokenizer, model = load_from_args(args, model_dir)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None
@@ -108,6 +115,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         allow_modified=args.allow_modified,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
+        suites=suites,
         include_tokens=getattr(args, "include_tokens", False),
     )
     if mismatches is not None:

@@ -25,7 +25,7 @@ from .checkpoints import step_of
 from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
 from .flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from .outputs import check_output_file, say, write_text
-from .runs import CompareError, Run, load_run, load_runs, read_outcomes
+from .runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from .stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 
 __all__ = [
@@ -364,12 +364,26 @@ def run_compare(args: argparse.Namespace) -> None:
     runs = load_runs(args.results, step=args.step)
     comparison = compare_runs(runs, args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound")
     flipped = format_flips_text(comparison, args.data) if args.flips else None  # its errors before any output
+    # Every suite that all the results have, compared pair by pair as TatBLiMP is.
+    suites = {
+        name: compare_runs(
+            [suite_run(run, name) for run in runs], args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound"
+        )
+        for name in shared_suites(runs)
+    }
+
+    def json_text() -> str:
+        payload = {**to_json(comparison), **({"suites": {n: to_json(c) for n, c in suites.items()}} if suites else {})}
+        return json.dumps(payload, indent=1, ensure_ascii=False) + "\n"
+
+    def markdown() -> str:
+        parts = [format_markdown(comparison)]
+        parts += [format_markdown(c).replace("## TatBLiMP comparison", f"## Suite {n}", 1) for n, c in suites.items()]
+        return "\n".join(parts)
+
     # The files first: a reader that closes stdout early (| head) must not cost them.
     written = []
-    for option, write in (
-        (args.markdown, lambda: format_markdown(comparison)),
-        (args.json, lambda: json.dumps(to_json(comparison), indent=1, ensure_ascii=False) + "\n"),
-    ):
+    for option, write in ((args.markdown, markdown), (args.json, json_text)):
         if option:
             write_text(option, write())
             written.append(option)
@@ -377,6 +391,8 @@ def run_compare(args: argparse.Namespace) -> None:
         plot_comparison(runs, args.plot, args.threshold)
         written.append(args.plot)
     say(format_text(comparison))
+    for name, suite in suites.items():
+        say(f"\nsuite {name}\n" + format_text(suite))
     if flipped is not None:
         say("\n" + flipped)
     for path in written:

@@ -195,11 +195,7 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
 
 def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     """Parse the bytes of a JSONL benchmark file; ``name`` is used in error messages."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[: err.start].count(b"\n") + 1
-        raise BenchmarkError(f"{name}:{line}: bytes that are not UTF-8 ({err.reason} at byte {err.start})") from None
+    text = decode_utf8(raw, name)
     # JSON Lines ends a line at "\n" only: str.splitlines() would also split inside a string
     # holding U+2028 or a form feed, and shift every line number after it.
     lines = text.rstrip("\r\n").split("\n") if text.strip() else []
@@ -213,7 +209,33 @@ def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     return pairs
 
 
+def decode_utf8(raw: bytes, name: str) -> str:
+    """``raw`` as UTF-8 text; ``BenchmarkError`` naming ``name`` and the line of the first invalid byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise BenchmarkError(f"{name}:{line}: bytes that are not UTF-8 ({err.reason} at byte {err.start})") from None
+
+
 def _parse_line(line: str, where: str) -> Pair:
+    record = json_record(line, where)
+    keys = next(((g, b) for g, b in _SENTENCE_FIELDS if g in record or b in record), _SENTENCE_FIELDS[0])
+    good, bad = (required_string(record, key, where) for key in keys)
+    if good == bad:
+        raise BenchmarkError(f"{where}: the good and bad sentences are identical")
+    field = next((f for f in _PHENOMENON_FIELDS if f in record), "phenomenon")
+    phenomenon = required_string(record, field, where)
+    subtype = record.get("subtype")
+    if subtype is not None and not isinstance(subtype, str):
+        raise BenchmarkError(f"{where}: field 'subtype' must be a string or null, got {type(subtype).__name__}")
+    if subtype is not None:
+        check_unicode(subtype, "subtype", where)
+    return Pair(good=good, bad=bad, phenomenon=phenomenon, subtype=subtype)
+
+
+def json_record(line: str, where: str) -> dict:
+    """One JSON Lines line as a dict; ``BenchmarkError`` naming ``where`` if it is not a JSON object."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -224,21 +246,10 @@ def _parse_line(line: str, where: str) -> Pair:
         raise BenchmarkError(f"{where}: invalid JSON ({err})") from None
     if not isinstance(record, dict):
         raise BenchmarkError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    keys = next(((g, b) for g, b in _SENTENCE_FIELDS if g in record or b in record), _SENTENCE_FIELDS[0])
-    good, bad = (_required_string(record, key, where) for key in keys)
-    if good == bad:
-        raise BenchmarkError(f"{where}: the good and bad sentences are identical")
-    field = next((f for f in _PHENOMENON_FIELDS if f in record), "phenomenon")
-    phenomenon = _required_string(record, field, where)
-    subtype = record.get("subtype")
-    if subtype is not None and not isinstance(subtype, str):
-        raise BenchmarkError(f"{where}: field 'subtype' must be a string or null, got {type(subtype).__name__}")
-    if subtype is not None:
-        _check_unicode(subtype, "subtype", where)
-    return Pair(good=good, bad=bad, phenomenon=phenomenon, subtype=subtype)
+    return record
 
 
-def _required_string(record: dict, key: str, where: str) -> str:
+def required_string(record: dict, key: str, where: str) -> str:
     if key not in record:
         raise BenchmarkError(f"{where}: missing field '{key}'")
     value = record[key]
@@ -246,11 +257,11 @@ def _required_string(record: dict, key: str, where: str) -> str:
         raise BenchmarkError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
     if not value.strip():
         raise BenchmarkError(f"{where}: field '{key}' is empty")
-    _check_unicode(value, key, where)
+    check_unicode(value, key, where)
     return value
 
 
-def _check_unicode(value: str, key: str, where: str) -> None:
+def check_unicode(value: str, key: str, where: str) -> None:
     # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer or UTF-8 byte count accepts.
     try:
         value.encode("utf-8")

@@ -120,9 +120,11 @@ def shard(batches: Sequence[Any], *, split: bool = True, lockstep: bool = False)
     """
     rank, size = world()
     if size == 1:
-        yield from ((batch, False) for batch in batches)
+        for index in range(len(batches)):
+            yield batches[index], False  # unnamed: a batch built on reading is freed before the next one
         return
-    shares = assign([b.num_positions for b in batches], size) if split else [list(range(len(batches)))] * size
+    sizes = batches.positions if hasattr(batches, "positions") else [b.num_positions for b in batches]
+    shares = assign(sizes, size) if split else [list(range(len(batches)))] * size
     mine = shares[rank]
     for step in range(max(len(share) for share in shares)):
         check_in()

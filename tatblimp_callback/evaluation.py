@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import distributed
-from .cache import SentenceCache, build_cache
+from .cache import SentenceCache, build_cache, concat_caches
 from .data import Benchmark
 from .metrics import Results, compute_results
 from .model_checks import input_device, weights_label
 from .provenance import provenance
 from .scoring import Scorer, ScoringMethod, unwrap_model
+from .suites import Suite, load_suite
 from .token_results import pair_tokens
 
 
@@ -44,6 +47,15 @@ class Evaluator:
                 print(step, results.acc_norm)
         ```
 
+    More minimal-pair suites (BLiMP, TurBLiMP, MultiBLiMP, your own; see ``suites``) go into the same
+    cache and the same forward sweep, sentences that start alike sharing their positions across suites:
+
+    ```python
+    evaluator = Evaluator(tokenizer, data="test.jsonl", suites={"blimp": "blimp/data"})
+    results = evaluator(model)  # results.suites["blimp"] is a full Results, with left_out
+    results = evaluator(model, suites=[])  # TatBLiMP alone this time (a big suite scored less often)
+    ```
+
     Args:
         tokenizer: a Hugging Face tokenizer or a ``SentencePieceTokenizer``; not needed with ``cache``.
         data: a ``Benchmark``, a JSONL path, or None for ``TATBLIMP_DATA`` / the Hub dataset.
@@ -54,7 +66,10 @@ class Evaluator:
         truncate: cut sentences longer than the model's context instead of raising.
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.
-        cache_path: a safetensors file to load the cache from, or to save it to once built.
+        cache_path: a safetensors file to load the cache from, or to save it to once built (each suite's
+            next to it, as ``<stem>.<name><suffix>``).
+        suites: more suites to score in the same pass, ``{name: path or Suite}`` (a path is read with
+            ``suites.load_suite``); their results are in ``results.suites[name]``.
         include_tokens: also give each pair's token log-probs, token texts and edit span
             (``Results.pair_tokens``, see ``token_results``); the texts need ``tokenizer``.
 
@@ -74,10 +89,13 @@ class Evaluator:
         truncate: bool = False,
         method: ScoringMethod | str | None = None,
         cache_path: str | os.PathLike | None = None,
+        suites: Mapping[str, Suite | str | os.PathLike] | None = None,
         include_tokens: bool = False,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
+        if suites and cache is not None:
+            raise ValueError("suites= needs a tokenizer, not a prebuilt cache")
         self.tokenizer = tokenizer
         self.data = data
         self.cache = cache
@@ -87,6 +105,8 @@ class Evaluator:
         self.truncate = truncate
         self.method = method
         self.cache_path = cache_path
+        self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (suites or {}).items()}
+        self._parts: list[tuple[str | None, SentenceCache, int]] = []  # (suite name or None, its cache, first sentence)
         self.include_tokens = include_tokens
         self._scorer: Scorer | None = None
 
@@ -94,18 +114,32 @@ class Evaluator:
         """Build (or move) the cache to the model's device and set up the scorer; done once per model."""
 
         def build(device: torch.device) -> SentenceCache:
-            return build_cache(
-                self.tokenizer,
-                self.data,
-                device=device,
-                prefix_token_id=self.prefix_token_id,
-                allow_modified=self.allow_modified,
-                cache_path=self.cache_path,
-            )
+            sources = [
+                (None, self.data, self.cache_path),
+                *((n, s, _suite_cache_path(self.cache_path, n)) for n, s in self.suites.items()),
+            ]
+            caches = [
+                build_cache(
+                    self.tokenizer,
+                    data,
+                    device="cpu",  # the parts stay on the host for the results; the fused cache goes to the device
+                    prefix_token_id=self.prefix_token_id,
+                    allow_modified=self.allow_modified,
+                    cache_path=path,
+                )
+                for _, data, path in sources
+            ]
+            starts = [0, *torch.tensor([c.num_sentences for c in caches]).cumsum(0).tolist()]
+            # The parts keep their labels and byte lengths for the results; their token ids live in the fused cache only.
+            self._parts = [
+                (name, replace(cache, token_ids=cache.token_ids.new_empty(0), _host_lengths=cache.lengths), start)
+                for (name, _, _), cache, start in zip(sources, caches, starts)
+            ]
+            return (concat_caches(caches) if len(caches) > 1 else caches[0]).to(device)
 
         return scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
 
-    def __call__(self, model: torch.nn.Module) -> Results:
+    def __call__(self, model: torch.nn.Module, suites: list[str] | None = None) -> Results:
         """Score every pair with ``model`` and return the results.
 
         Under ``torch.distributed`` every process calls this; each scores a share of the batches
@@ -114,6 +148,7 @@ class Evaluator:
         Args:
             model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, FSDP, ``torch.compile``
                 or PEFT; it is scored in eval mode without gradients and put back in the mode it was in.
+            suites: the names of the suites to score this time (default: all); TatBLiMP is always scored.
 
         Returns:
             The metrics overall, per phenomenon and subtype, and per pair.
@@ -128,10 +163,45 @@ class Evaluator:
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
-        logprobs, run_info = timed_score(scorer)
-        results = compute_results(scorer.cache, logprobs, run_info)
-        if self.include_tokens:
-            results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
+        if not self._parts:  # a prebuilt cache: TatBLiMP alone
+            logprobs, run_info = timed_score(scorer)
+            results = compute_results(scorer.cache, logprobs, run_info)
+            if self.include_tokens:
+                results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
+            return results
+        wanted = list(self.suites) if suites is None else list(suites)
+        unknown = sorted(set(wanted) - set(self.suites))
+        if unknown:
+            raise ValueError(f"unknown suites {unknown}; this evaluator has {sorted(self.suites)}")
+        parts = [part for part in self._parts if part[0] is None or part[0] in wanted]
+        chosen = None
+        if len(parts) < len(self._parts):
+            chosen = [s for _, cache, start in parts for s in range(start, start + cache.num_sentences)]
+        logprobs, run_info = timed_score(scorer, chosen)
+        run_info["cache_bytes"] = scorer.cache.nbytes
+        results = None
+        for name, cache, start in parts:
+            end = start + cache.num_sentences
+            cut = [s - start for s in scorer.cache.truncated if start <= s < end]
+            # Token counts as scored: a sentence cut to the model's context counts its kept tokens.
+            scored = replace(cache, truncated=cut, _host_lengths=scorer.cache.lengths[start:end])
+            part = compute_results(scored, logprobs[start:end], run_info)
+            if name is None:
+                results = part
+                if self.include_tokens:  # TatBLiMP's own pairs: the first sentences of the fused cache
+                    n = cache.num_sentences
+                    own = replace(
+                        scorer.cache,
+                        token_ids=scorer.cache.token_ids[: int(scorer.cache.offsets[n])],
+                        offsets=scorer.cache.offsets[: n + 1],
+                        _host_lengths=None,
+                    )
+                    results.pair_tokens = pair_tokens(own, scorer.token_logprobs()[:n], self.tokenizer)
+                if isinstance(self.data, Suite):  # a suite scored alone
+                    results.left_out = [dict(entry) for entry in self.data.left_out]
+            else:
+                part.left_out = [dict(entry) for entry in self.suites[name].left_out]
+                results.suites[name] = part
         return results
 
 
@@ -155,15 +225,15 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     return evaluator._scorer
 
 
-def timed_score(scorer: Scorer) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scorer.score()``, and how it was computed: the method, seconds, padding and sharing, retries,
+def timed_score(scorer: Scorer, sequences: range | list[int] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``scorer.score(sequences)``, and how it was computed: the method, seconds, padding and sharing, retries,
     ``weights``, the label (``model_checks.weights_label``) of the weights it measured, and what made it
     (``provenance``: versions, dtype, device, date)."""
     weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
-    logprobs = scorer.score()
+    logprobs = scorer.score() if sequences is None else scorer.score(sequences)  # as before when all are scored
     seconds = time.perf_counter() - start
-    layout = scorer.layout()
+    layout = scorer.layout(sequences=sequences)
     return logprobs, {
         "scoring_method": str(scorer.method),
         "seconds": seconds,
@@ -181,7 +251,7 @@ def evaluate(
 ) -> Results:
     """Score ``model`` on TatBLiMP (or another minimal-pair file) once.
 
-    ``options`` are those of ``Evaluator``. For repeated scoring keep an ``Evaluator``, which
+    ``options`` are those of ``Evaluator`` (``suites={"blimp": PATH}`` among them). For repeated scoring keep an ``Evaluator``, which
     tokenizes only once.
 
     Args:
@@ -191,7 +261,7 @@ def evaluate(
         data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
-            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``).
+            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``).
 
     Returns:
         The metrics overall, per phenomenon and subtype, and per pair.
@@ -208,3 +278,11 @@ def evaluate(
         ```
     """
     return Evaluator(tokenizer, data, **options)(model)
+
+
+def _suite_cache_path(cache_path: str | os.PathLike | None, name: str) -> Path | None:
+    """Where suite ``name``'s tokenized cache is kept beside TatBLiMP's ``cache_path``."""
+    if cache_path is None:
+        return None
+    path = Path(cache_path)
+    return path.with_name(f"{path.stem}.{name}{path.suffix}")

@@ -38,13 +38,17 @@ def default_memory_budget(device: torch.device, full_logits_bytes: int | None = 
 
 
 def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -> int:
-    """Estimated live bytes per position in a forward call: one layer's activations plus a row's attention scores."""
+    """Estimated live bytes per position in a forward call: one layer's activations plus a row's attention scores.
+
+    Attention without a fused kernel for the mask (the CPU's, with a prefix-tree mask) holds the scores and
+    their softmax at once, each [heads x row_length] a position: both are counted.
+    """
     hidden = getattr(config, "hidden_size", 1024)
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     heads = getattr(config, "num_attention_heads", 16)
     element = torch.finfo(dtype).bits // 8
-    # A row's attention scores, and its mask (4 bytes at most per key).
-    return element * (6 * hidden + 3 * intermediate) + 4 * (heads + 1) * row_length
+    # A row's attention scores and their softmax, and its mask (4 bytes at most per key).
+    return element * (6 * hidden + 3 * intermediate) + 4 * (2 * heads + 1) * row_length
 
 
 def positions_per_forward(memory_budget: int, config, dtype: torch.dtype, row_length: int, full_logits_vocab: int | None) -> int:

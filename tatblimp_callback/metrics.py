@@ -125,6 +125,9 @@ class Results:
     truncated_sentences: int = 0
     selection: str | None = None  # which pairs were scored when not all (--limit, --phenomena); None: all
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
+    # A suite's pairs that could not be scored, left out of every metric: {"file", "line", "reason"}; None: not a suite.
+    left_out: list[dict[str, Any]] | None = None
+    suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
     # Per-pair token log-probs, texts and edit spans (``token_results.PairTokens``), when asked for.
     pair_tokens: list[Any] | None = None
 
@@ -194,8 +197,14 @@ class Results:
             "outcomes": self.outcomes(),
             "pairs": [{**asdict(pair), "passed": pair.passed, "passed_norm": pair.passed_norm} for pair in self.pairs],
             **self.run_info,
+            **({"left_out": self.left_out} if self.left_out is not None else {}),
+            **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
         return record if self.pair_tokens is None else add_token_fields(record, self.pair_tokens)
+
+    def suite_dict(self) -> dict[str, Any]:
+        """``to_dict`` of a suite's results, with its ``left_out`` pairs (the run's facts stay at the top level)."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.run_info}
 
     def outcomes(self) -> dict[str, Any]:
         """Every pair's outcome, compactly: ``acc`` and ``acc_norm`` are strings with one character per pair
@@ -256,6 +265,11 @@ class Results:
             )
         if self.truncated_sentences:
             lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
+        if self.left_out:
+            reasons = sorted({entry["reason"] for entry in self.left_out})
+            lines.append(f"{len(self.left_out)} pairs left out of the metrics ({'; '.join(reasons)}); see left_out in the JSON")
+        for name, suite in self.suites.items():
+            lines += ["", f"suite {name}: {suite.benchmark_source}", suite.format_table()]
         return "\n".join(lines)
 
     def phenomenon_table(self) -> tuple[list[str], list[list[Any]]]:

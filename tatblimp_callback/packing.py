@@ -27,6 +27,7 @@ once, so the scorer can sum a sentence's tokens in a fixed order, whatever the b
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +53,45 @@ class Batch:
         return self.input_ids.numel()
 
 
+class Batches(Sequence):
+    """A layout's batches, each built (and moved to the device) when it is read, and not kept.
+
+    Only the rows (sequence indices) are held, so the memory of a layout does not grow with the
+    masks and index tensors of every row: one forward call's batch exists at a time.
+    """
+
+    def __init__(self, groups: list[tuple[list[list[int]], int]], sequences, options: dict):
+        self.groups = groups  # (rows, width) of each batch
+        self.sequences = sequences
+        self.options = options  # pad_id, kind, answer_ids, tree_mask_dtype, device
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        rows, width = self.groups[index]
+        o = self.options
+        batch, _ = _make_batch(rows, width, self.sequences, o["pad_id"], o["kind"], o["answer_ids"], o["tree_mask_dtype"])
+        return _to_device(batch, o["device"])
+
+    def __iter__(self):
+        for index in range(len(self)):
+            yield self[index]  # not bound to a name here: the previous batch is freed before the next is built
+
+    @property
+    def positions(self) -> list[int]:
+        """Positions (rows x width) of each batch, without building it."""
+        return [len(rows) * width for rows, width in self.groups]
+
+
 @dataclass
 class Layout:
     """All batches of one evaluation, plus what it costs in padding and saves by sharing."""
 
     kind: str  # "tree", "packed" or "padded"
-    batches: list[Batch]
+    batches: Batches
     padded_positions: int
     total_positions: int
     sentence_positions: int  # positions the sequences would take one by one (their inputs)
@@ -159,7 +193,7 @@ def build_layout(
     else:
         raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
 
-    batches, used, total = [], 0, 0
+    groups, total = [], 0
     start = 0
     while start < len(rows):
         # Rows are sorted longest first (or all as wide), so the first row of a batch sets its width;
@@ -168,14 +202,14 @@ def build_layout(
         end, limit = start + 1, min(len(rows), start + max(1, tokens_per_batch // width))
         while end < limit and 4 * widths[end] >= 3 * width:
             end += 1
-        batch, positions = _make_batch(rows[start:end], width, sequences, pad_id, kind, answer_ids, tree_mask_dtype)
-        batches.append(_to_device(batch, device))
-        used += positions
-        total += batch.num_positions
+        groups.append((rows[start:end], width))
+        total += (end - start) * width
         start = end
+    options = dict(pad_id=pad_id, kind=kind, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device)
+    used = sum(_used_positions(row, sequences, kind, inputs) for row in rows)
     return Layout(
         kind=kind,
-        batches=batches,
+        batches=Batches(groups, sequences, options),
         padded_positions=total - used,
         total_positions=total,
         sentence_positions=sum(inputs.values()),
@@ -248,6 +282,18 @@ def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtyp
         score_slots=torch.tensor(slots, dtype=torch.long),
     )
     return batch, filled
+
+
+def _used_positions(row: list[int], sequences, kind: str, inputs: dict[int, int]) -> int:
+    """Positions a row fills: its inputs, or in a tree its distinct prefixes (its sequences are in sorted order)."""
+    if kind != "tree":
+        return sum(inputs[s] for s in row)
+    used, previous = 0, []
+    for s in row:
+        current = sequences[s][: inputs[s]]
+        used += len(current) - _common_prefix_length(current, previous)
+        previous = current
+    return used
 
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:

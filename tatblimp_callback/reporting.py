@@ -150,7 +150,8 @@ class HistoryFile:
         self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def append(self, step: int, results: Results) -> None:
-        record = {"step": step, **{k: v for k, v in results.to_dict().items() if k != "pairs"}}
+        # A suite's results are lines of their own history file.
+        record = {"step": step, **{k: v for k, v in results.to_dict().items() if k not in ("pairs", "suites")}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")

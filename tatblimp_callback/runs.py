@@ -135,6 +135,21 @@ def _check_record(record: Any, where: str) -> None:
         raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
 
 
+def shared_suites(runs: list[Run]) -> list[str]:
+    """Names of the suites (``"suites"`` of the results) that every run has, in the first run's order."""
+    names = [set(run.record.get("suites", {})) for run in runs]
+    return [name for name in runs[0].record.get("suites", {}) if all(name in n for n in names)]
+
+
+def suite_run(run: Run, name: str) -> Run:
+    """``run``'s results of suite ``name`` as a run of their own (a sweep's lines that scored it, same label and step)."""
+    records = [
+        {**r["suites"][name], **({"step": r["step"]} if "step" in r else {})} for r in run.records if name in r.get("suites", {})
+    ]
+    step = run.step if run.step is None or any(r.get("step") == run.step for r in records) else None
+    return Run(run.label, run.path, records, run.is_sweep, step)
+
+
 def load_runs(specs: list[str | os.PathLike], step: int | None = None) -> list[Run]:
     """``load_run`` for each ``PATH`` or ``PATH@STEP``; ``step``: the step of every sweep given without one.
 

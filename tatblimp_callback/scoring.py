@@ -142,11 +142,12 @@ class Scorer:
         return model is self.model and weight.device == self.cache.device and weight.dtype == self._built_dtype
 
     @torch.no_grad()
-    def score(self) -> torch.Tensor:
+    def score(self, sequences: range | list[int] | None = None) -> torch.Tensor:
         """The log-probs of every cached sequence (float64, on the CPU), in cache order.
 
         Sentences: ``[sentences]``, each the sum of its tokens' log-probs. Forced-choice prompts
         (``cache.answer_ids``): ``[prompts, answers]``, each answer token's log-prob after the prompt.
+        ``sequences``: score only these (the others are 0), e.g. one suite of several in the cache.
 
         The model is put in eval mode and back in the mode it was in, also on Ctrl-C. On
         out-of-memory the memory budget is halved and the evaluation retried, down to a floor
@@ -166,17 +167,17 @@ class Scorer:
         self.model.eval()
         try:
             with distributed.shared_failures():
-                return retry_out_of_memory(self, self._attempt)
+                return retry_out_of_memory(self, lambda: self._attempt(sequences))
         finally:
             self.model.train(was_training)
 
-    def _attempt(self) -> torch.Tensor:
+    def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
         if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
             # An adapter or hook put on the head since the method was chosen: what it computes is not its weight.
             logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
             self.method = ScoringMethod(self.method.layout, "full_logits")
         self._check_method_when_due()  # its sample is laid out within the budget too
-        matrix = self._score_matrix(self.method)
+        matrix = self._score_matrix(self.method, sequences, split=True, keep_layout=True)
         self._token_matrix = None if self.cache.answer_ids else matrix
         return self._readout(matrix).cpu()
 
@@ -195,10 +196,11 @@ class Scorer:
         rows = self._token_matrix.cpu().double().tolist()
         return [row[: length - 1] for row, length in zip(rows, self.cache.lengths)]
 
-    def layout(self, kind: str | None = None) -> Layout:
-        """The row layout used for ``kind`` (default: the chosen method's), built once per budget."""
+    def layout(self, kind: str | None = None, sequences: range | list[int] | None = None) -> Layout:
+        """The row layout used for ``kind`` (default: the chosen method's) and ``sequences`` (default: all), built once per budget."""
         head = self.method.head if self.method else self._heads()[0]
-        return self._layout(ScoringMethod(kind or (self.method.layout if self.method else layouts_to_try(self.lm)[0]), head))
+        kind = kind or (self.method.layout if self.method else layouts_to_try(self.lm)[0])
+        return self._layout(ScoringMethod(kind, head), sequences, keep=True)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -218,10 +220,14 @@ class Scorer:
 
     # -- the computation ------------------------------------------------------------------------
 
-    def _layout(self, method: ScoringMethod, sequences: list[int] | None = None) -> Layout:
-        """The rows of ``method.layout`` for all sequences (built once per budget) or for ``sequences``."""
+    def _layout(self, method: ScoringMethod, sequences: range | list[int] | None = None, keep: bool = False) -> Layout:
+        """The rows of ``method.layout`` for all sequences or for ``sequences``; kept (once per budget) with ``keep``.
+
+        A layout holds rows of sequence indices only: each batch's tensors are built when it is read.
+        """
         key = (method.layout, self.row_length, self._positions_per_forward(method.head))
-        if sequences is None and key in self._layouts:
+        key += () if sequences is None else (tuple(sequences),)
+        if key in self._layouts:
             return self._layouts[key]
         if self._sequences is None:
             self._sequences = token_lists(self.cache)
@@ -236,27 +242,32 @@ class Scorer:
             answer_ids=self.cache.answer_ids,
             tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
         )
-        if sequences is None:
+        if keep or sequences is None:
             self._layouts[key] = layout
         return layout
 
-    def _score_matrix(self, method: ScoringMethod, sequences: list[int] | None = None) -> torch.Tensor:
+    def _score_matrix(
+        self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
+    ) -> torch.Tensor:
         """[sequences x slots] log-probs, each cell written once (zeros where nothing is read).
 
-        Across processes the batches are dealt out and the matrices added up (each cell comes from
-        one process, zeros from the others: exact); ``sequences`` (the method check's sample) runs
-        on every process. A filler batch only keeps a sharded model's forward calls in step.
+        Across processes (``split``, default: all sequences) the batches are dealt out and the matrices
+        added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
+        check's sample) every process runs them all. A filler batch only keeps a sharded model's forward
+        calls in step. Each batch is built when it is read and freed before the next.
         """
         device = self.cache.device
-        slots = len(self.cache.answer_ids) or max(self.cache.lengths) - 1
+        answers = len(self.cache.answer_ids)
+        slots = answers or max(self.cache.lengths) - 1
         dtype = torch.float32 if device.type == "mps" else torch.float64
         matrix = torch.zeros((self.cache.num_sentences, slots), dtype=dtype, device=device)
-        layout = self._layout(method, sequences)
-        split = sequences is None and not self.tensor_parallel
+        layout = self._layout(method, sequences, keep=keep_layout)
+        split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self._batch_logprobs(batch, method.head)
+            logprobs = self._batch_logprobs(batch, method.head).to(dtype)
             if not is_filler:
-                matrix[batch.score_sentences, batch.score_slots] = logprobs.to(dtype)
+                matrix[batch.score_sentences, batch.score_slots] = logprobs
+            del batch, logprobs  # before the next batch is built: one batch's tensors at a time
         matrix = distributed.sum_over_processes(matrix) if split else matrix
         if method.layout != "padded":
             matrix = self._rescore_non_finite(matrix, method.head)

@@ -1,0 +1,48 @@
+"""The callback's side of more suites: its options checked, which suites an evaluation scores, their history files."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import reporting
+
+logger = logging.getLogger(__name__)
+
+
+def check_suite_options(suites: dict[str, Any] | None, suite_every: int | dict[str, int], log_prefix: str, protocol: str) -> None:
+    """``ValueError`` for a ``suite_every`` that is not k >= 1 (or ``{known suite: k >= 1}``), a suite name that
+    clashes with the log prefix or holds "/", or suites without the log-prob protocol."""
+    names = set(suites or {})
+    every = suite_every if isinstance(suite_every, dict) else {"suite_every": suite_every}
+    if any(not isinstance(k, int) or k < 1 for k in every.values()) or set(every) - {"suite_every", *names}:
+        raise ValueError(f"suite_every must be an int >= 1 or {{suite name: int >= 1}}, got {suite_every!r}")
+    if {log_prefix, f"{log_prefix}_fc"} & names or any("/" in name for name in names):
+        raise ValueError(f"suite names must differ from the log prefix and hold no '/': {sorted(names)}")
+    if names and protocol == "forced-choice":
+        raise ValueError("suites= are scored by log-probs: use protocol 'logprob' or 'both'")
+
+
+def suites_due(suites: dict[str, Any] | None, suite_every: int | dict[str, int], evaluation: int) -> list[str]:
+    """The suites the ``evaluation``-th evaluation (from 0) scores: those whose k (``suite_every``) divides it."""
+    every = suite_every if isinstance(suite_every, dict) else dict.fromkeys(suites or {}, suite_every)
+    return [name for name in suites or {} if evaluation % every.get(name, 1) == 0]
+
+
+def suite_history_files(
+    history_file: reporting.HistoryFile | None, suites: dict[str, Any] | None, history: list[dict[str, Any]]
+) -> dict[str, reporting.HistoryFile]:
+    """``<history_file stem>.<name>.jsonl`` per suite, keeping a resumed run's lines of the steps in ``history``."""
+    if history_file is None:
+        return {}
+    files = {}
+    for name in suites or {}:
+        path = history_file.path
+        suite_file = reporting.HistoryFile(path.with_name(f"{path.stem}.{name}{path.suffix}"))
+        try:
+            suite_file.start({entry["step"] for entry in history if f"{name}/acc" in entry})
+        except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
+            logger.warning("tatblimp: cannot use the history file %s (%s); none is written in this run", suite_file.path, err)
+            continue
+        files[name] = suite_file
+    return files

@@ -1,0 +1,105 @@
+"""``tatblimp score/sweep --suite`` and ``compare`` per suite, end to end on a saved tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SHARED, tiny_llama
+from tatblimp_callback.cli import main
+
+IDENTICAL_LINE = 25  # passive_1.jsonl line 325 of BLiMP, an identical pair, is line 25 of the copy
+
+
+@pytest.fixture(scope="module")
+def suite_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("blimp")
+    lines = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").split("\n")
+    (folder / "passive_1.jsonl").write_text("\n".join(lines[300:330]) + "\n", encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def own_csv(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("own") / "mine.csv"
+    path.write_text("ID;OK;BAD\n1;Мин барам.;Мин барасың.\n2;Алар килде.;Алар килдем.\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, bpe_tokenizer) -> list[Path]:
+    folders = []
+    for seed in (0, 1):
+        folder = tmp_path_factory.mktemp(f"model{seed}")
+        tiny_llama(len(bpe_tokenizer), seed=seed).save_pretrained(folder)
+        bpe_tokenizer.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+def test_score_with_suites_writes_them_beside_tatblimp_and_compare_compares_each(
+    model_dirs, small_data, suite_folder, own_csv, tmp_path, capsys
+):
+    outputs = []
+    for i, folder in enumerate(model_dirs):
+        out = tmp_path / f"run{i}.json"
+        args = ["score", str(folder), "--data", str(small_data), "--allow-modified", "--device", "cpu", "--output", str(out)]
+        args += ["--suite", f"blimp={suite_folder}", "--suite", f"mine={own_csv}", "--columns", "mine:good=OK,bad=BAD"]
+        assert main(args) == 0
+        outputs.append(out)
+    printed = capsys.readouterr().out
+    assert f"suite blimp: {suite_folder}" in printed and f"suite mine: {own_csv}" in printed
+    assert "1 pairs left out of the metrics (the good and bad sentences are identical)" in printed
+
+    record = json.loads(outputs[0].read_text())
+    assert record["n"] == 48 and "left_out" not in record  # TatBLiMP's results at the top level, as before
+    assert list(record["suites"]) == ["blimp", "mine"]
+    blimp = record["suites"]["blimp"]
+    assert blimp["n"] == 29 and len(blimp["pairs"]) == 29 and len(blimp["outcomes"]["acc_norm"]) == 29
+    assert blimp["left_out"] == [
+        {
+            "file": str(suite_folder / "passive_1.jsonl"),
+            "line": IDENTICAL_LINE,
+            "reason": "the good and bad sentences are identical",
+        }
+    ]
+    assert record["suites"]["mine"]["n"] == 2 and record["suites"]["mine"]["phenomena"].keys() == {"mine"}
+
+    assert (
+        main(["compare", *map(str, outputs), "--json", str(tmp_path / "cmp.json"), "--markdown", str(tmp_path / "cmp.md")]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "suite blimp" in printed and "suite mine" in printed
+    comparison = json.loads((tmp_path / "cmp.json").read_text())
+    assert set(comparison["suites"]) == {"blimp", "mine"}
+    # Paired tests per suite, over that suite's pairs.
+    overall = next(t for t in comparison["suites"]["blimp"]["paired"] if t["group"] == "overall" and t["metric"] == "acc_norm")
+    assert overall["n"] == 29
+    assert "## Suite blimp" in (tmp_path / "cmp.md").read_text()
+
+
+def test_a_suite_scored_alone(model_dirs, suite_folder, tmp_path, capsys):
+    out = tmp_path / "alone.json"
+    assert (
+        main(
+            [
+                "score",
+                str(model_dirs[0]),
+                "--device",
+                "cpu",
+                "--suites-only",
+                "--suite",
+                f"blimp={suite_folder}",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    record = json.loads(out.read_text())
+    assert record["n"] == 29 and record["left_out"][0]["line"] == IDENTICAL_LINE and "suites" not in record
+    assert record["benchmark"]["release"].startswith("blimp (md5 ")
+    assert main(["score", str(model_dirs[0]), "--suites-only"]) == 1
+    assert "--suites-only needs at least one --suite" in capsys.readouterr().err
