@@ -102,6 +102,9 @@ class Results:
         truncated_sentences: sentences cut to the model's context (with ``truncate``).
         selection: which pairs were scored when not all (``--limit``, ``--phenomena``); None: all.
         run_info: how it was computed: the scoring method, seconds, padding and prefix sharing, retries, model.
+        left_out: a suite's pairs that could not be scored (``{"file", "line", "reason"}``); None: not a suite.
+        suites: the results of the other suites scored in the same pass, by name.
+        pair_tokens: per-pair token log-probs, texts and edit spans, when asked for (``include_tokens``).
 
     Example:
         ```python
