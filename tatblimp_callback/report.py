@@ -340,15 +340,14 @@ def run_report(args: argparse.Namespace) -> None:
     if args.model:
         from .data import load_benchmark
         from .explain import score_pairs
-        from .loading import load_model, load_tokenizer, tokenizer_source
+        from .loading import load_from_args
 
         benchmark = load_benchmark(
             args.data or runs[0].record.get("benchmark", {}).get("source"), allow_modified=args.allow_modified
         )
         if benchmark.md5 != runs[0].record.get("benchmark", {}).get("md5"):
             raise ValueError(f"{benchmark.source} is not the benchmark file {runs[0].path} was scored on (md5 differs)")
-        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
-        model = load_model(args.model, args.device, args.dtype)
+        _, tokenizer, model = load_from_args(args, args.model)  # every loader option of score (device map, ...)
         details = score_pairs(
             model,
             tokenizer,
