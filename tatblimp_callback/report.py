@@ -296,23 +296,6 @@ def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Pat
     return path
 
 
-def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
-    """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
-    run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
-    runs = load_runs([history])
-    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)
-    logger.info("tatblimp: wrote the report %s", output)
-    if wandb_key is not None:
-        from .reporting import wandb_run
-
-        run = wandb_run()
-        if run is not None:
-            import wandb
-
-            with output.open(encoding="utf-8") as page:  # a file object: read as HTML, whatever the file's name
-                run.log({wandb_key: wandb.Html(page, inject=False)})
-
-
 def add_report_parser(commands) -> None:
     """Add ``tatblimp report`` to the CLI's sub-commands."""
     from .loading import add_model_arguments
