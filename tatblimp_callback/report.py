@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,6 @@ from .stats import format_interval, paired_tests
 
 __all__ = ["build_report", "write_report"]
 
-logger = logging.getLogger(__name__)
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto; max-width: 1280px;
