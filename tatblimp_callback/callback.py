@@ -386,11 +386,12 @@ class TatBLiMPCallback(TrainerCallback):
             for name, results in self.last_suite_results.items():
                 self._guarded(self._wandb.log_results, name, results, {})
         if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
-            from .report import report_at_end_of_training
-
             output = callback_options.under_output_dir(self.report_file, args.output_dir)
             self._guarded(
-                report_at_end_of_training, self._history_file.path, output, f"{self.log_prefix}/report" if wandb else None
+                reporting.report_at_end_of_training,
+                self._history_file.path,
+                output,
+                f"{self.log_prefix}/report" if wandb else None,
             )
 
     # -- scoring and logging --------------------------------------------------------------------

@@ -28,9 +28,8 @@ from pathlib import Path
 from . import __version__, distributed
 from .compare import add_compare_parser
 from .explain import add_explain_parser
-from .loading import add_model_arguments, load_model, load_tokenizer, tokenizer_source
+from .loading import add_model_arguments, load_from_args, tokenizer_source
 from .outputs import check_output_file, say, silence_stdout, write_text
-from .placement import placement_options
 from .report import add_report_parser
 from .suites import add_suite_arguments, suites_from_args
 from .sweep import add_sweep_parser
@@ -76,18 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     for command in commands.choices.values():  # -v after the command too; SUPPRESS keeps a -v given before it
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
-
-
-def load_from_args(args: argparse.Namespace, model_dir: str):
-    """(tokenizer source, tokenizer, model) for ``model_dir`` with the loader options in ``args``.
-
-    ``--revision`` and ``--trust-remote-code`` apply to the tokenizer too when it comes from the model.
-    """
-    source = tokenizer_source(model_dir, args.tokenizer)
-    placement = placement_options(args)
-    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
-    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
-    return source, tokenizer, load_model(model_dir, args.device, args.dtype, **placement)
 
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):

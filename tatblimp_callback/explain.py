@@ -177,13 +177,12 @@ def choose_pairs(args: argparse.Namespace, benchmark: Benchmark) -> tuple[list[i
 
 def run_explain(args: argparse.Namespace, stream: Any = None) -> None:
     from .data import load_benchmark
-    from .loading import load_model, load_tokenizer, tokenizer_source
+    from .loading import load_from_args
 
     stream = stream or sys.stdout
     benchmark = load_benchmark(args.data, allow_modified=args.allow_modified)
     indices, worst = choose_pairs(args, benchmark)
-    tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
-    model = load_model(args.model, args.device, args.dtype)
+    _, tokenizer, model = load_from_args(args, args.model)  # every loader option of score (device map, ...)
     scored = score_pairs(
         model,
         tokenizer,

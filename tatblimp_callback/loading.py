@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
-from .placement import add_placement_arguments
+from .placement import add_placement_arguments, placement_options
 from .tokenization import SentencePieceTokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -185,3 +185,15 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str:
             "pass --tokenizer with a tokenizer folder, a Hub id or a SentencePiece .model file"
         )
     return model
+
+
+def load_from_args(args: argparse.Namespace, model_dir: str):
+    """(tokenizer source, tokenizer, model) for ``model_dir`` with the loader options in ``args``.
+
+    ``--revision`` and ``--trust-remote-code`` apply to the tokenizer too when it comes from the model.
+    """
+    source = tokenizer_source(model_dir, args.tokenizer)
+    placement = placement_options(args)
+    hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
+    tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
+    return source, tokenizer, load_model(model_dir, args.device, args.dtype, **placement)

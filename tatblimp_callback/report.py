@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,6 @@ from .stats import format_interval, paired_tests
 
 __all__ = ["build_report", "write_report"]
 
-logger = logging.getLogger(__name__)
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto; max-width: 1280px;
@@ -296,23 +294,6 @@ def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Pat
     return path
 
 
-def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
-    """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
-    run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
-    runs = load_runs([history])
-    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)
-    logger.info("tatblimp: wrote the report %s", output)
-    if wandb_key is not None:
-        from .reporting import wandb_run
-
-        run = wandb_run()
-        if run is not None:
-            import wandb
-
-            with output.open(encoding="utf-8") as page:  # a file object: read as HTML, whatever the file's name
-                run.log({wandb_key: wandb.Html(page, inject=False)})
-
-
 def add_report_parser(commands) -> None:
     """Add ``tatblimp report`` to the CLI's sub-commands."""
     from .loading import add_model_arguments
@@ -340,15 +321,14 @@ def run_report(args: argparse.Namespace) -> None:
     if args.model:
         from .data import load_benchmark
         from .explain import score_pairs
-        from .loading import load_model, load_tokenizer, tokenizer_source
+        from .loading import load_from_args
 
         benchmark = load_benchmark(
             args.data or runs[0].record.get("benchmark", {}).get("source"), allow_modified=args.allow_modified
         )
         if benchmark.md5 != runs[0].record.get("benchmark", {}).get("md5"):
             raise ValueError(f"{benchmark.source} is not the benchmark file {runs[0].path} was scored on (md5 differs)")
-        tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
-        model = load_model(args.model, args.device, args.dtype)
+        _, tokenizer, model = load_from_args(args, args.model)  # every loader option of score (device map, ...)
         details = score_pairs(
             model,
             tokenizer,

@@ -11,6 +11,7 @@ printers (``ProgressCallback``, ``PrinterCallback``) are replaced by one short l
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .jsonl import read_complete_lines
 from .metrics import Results
+
+logger = logging.getLogger(__name__)
 
 # report_to names whose callbacks log nothing that we send (emissions trackers, ...).
 _NOT_METRIC_REPORTERS = {"codecarbon"}
@@ -168,3 +171,22 @@ def logged_copy(log_history: list[dict[str, Any]], logs: dict[str, Any]) -> dict
 def is_evaluation_log(logs: dict[str, Any]) -> bool:
     """``Trainer.evaluate`` logs its metrics with ``eval_runtime`` (``eval_<name>_runtime`` for a dict of datasets)."""
     return any(key.startswith("eval_") and key.endswith("_runtime") for key in logs)
+
+
+def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
+    """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
+    run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
+    from .curves import DEFAULT_THRESHOLD
+    from .report import write_report
+    from .runs import load_runs
+
+    runs = load_runs([history])
+    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)
+    logger.info("tatblimp: wrote the report %s", output)
+    if wandb_key is not None:
+        run = wandb_run()
+        if run is not None:
+            import wandb
+
+            with output.open(encoding="utf-8") as page:  # a file object: read as HTML, whatever the file's name
+                run.log({wandb_key: wandb.Html(page, inject=False)})

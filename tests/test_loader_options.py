@@ -79,3 +79,18 @@ def test_revision_reaches_from_pretrained(small_data, monkeypatch, capsys):
     assert [options.get("revision") for _, options in calls] == ["v1.0", "v1.0"]  # the tokenizer, then the model
     assert calls[1][1]["trust_remote_code"] is False
     capsys.readouterr()
+
+
+def test_explain_and_report_load_the_model_with_every_loader_option(custom_model_dir, small_data, tmp_path, capsys):
+    """explain and report --model take score's loader options, and pass them on (here --trust-remote-code)."""
+    data = ["--data", str(small_data), "--allow-modified"]
+    results = tmp_path / "results.json"
+    assert main(["score", str(custom_model_dir), *data, "--trust-remote-code", "--output", str(results)]) == 0
+    explain = ["explain", str(custom_model_dir), "--pair", "0", *data]
+    report = ["report", str(results), "--output", str(tmp_path / "report.html"), "--model", str(custom_model_dir), *data]
+    for command, done in ((explain, "pair 0 "), (report, "wrote ")):
+        capsys.readouterr()
+        assert main(command) == 1
+        assert "pass --trust-remote-code" in capsys.readouterr().err
+        assert main([*command, "--trust-remote-code"]) == 0
+        assert capsys.readouterr().out.startswith(done)
