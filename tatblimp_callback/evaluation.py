@@ -142,6 +142,7 @@ class Evaluator:
             scorer = self.prepare(model)
         if not self._parts:  # a prebuilt cache: TatBLiMP alone
             logprobs, run_info = timed_score(scorer)
+            run_info["cache_bytes"] = scorer.cache.nbytes
             results = compute_results(scorer.cache, logprobs, run_info)
             if self.include_tokens:
                 results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)

@@ -49,7 +49,7 @@ def line_chart(
     chart_id: str = "",
 ) -> str:
     """An SVG chart of accuracies (y from 0 to 1) over steps: lines with points, 95% bands, chance and threshold lines."""
-    left, right, top, bottom = 46, 12, 28, 38
+    left, right, top, bottom = 46, 26, 28, 38  # right: room for half of the last step label, centred on its tick
     steps = [s for line in series for s, _ in line.points]
     x_low, x_high = (min(steps), max(steps)) if steps else (0, 1)
     if x_high == x_low:

@@ -75,6 +75,15 @@ def bpe_tokenizer():
     return train_bpe()
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, bpe_tokenizer):
+    """A tiny random Llama and the BPE tokenizer saved in one folder, as `tatblimp score` reads a model."""
+    folder = tmp_path_factory.mktemp("model")
+    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def eos_only_tokenizer():
     return train_bpe(bos=False)

@@ -15,14 +15,6 @@ from tatblimp_callback.cli import main
 from tatblimp_callback.data import OFFICIAL_PHENOMENA
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, bpe_tokenizer):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
-    bpe_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_score_prints_the_table_and_writes_json(model_dir, bpe_tokenizer, tmp_path, capsys):
     out = tmp_path / "results.json"
     assert main(["score", str(model_dir), "--data", str(DATA), "--output", str(out), "--device", "cpu"]) == 0

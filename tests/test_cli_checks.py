@@ -18,14 +18,6 @@ from tatblimp_callback.scoring import ScoringError
 TATBLIMP = str(Path(sys.executable).parent / "tatblimp")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, bpe_tokenizer):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
-    bpe_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def error_of(args, capsys) -> str:
     assert main(args) == 1
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import DATA, tiny_llama
+from conftest import DATA
 from tatblimp_callback.cli import main
 from tatblimp_callback.report import build_report
 from tatblimp_callback.runs import load_runs
@@ -128,14 +128,6 @@ def test_report_of_the_demo_run_in_headless_chromium(demo_records, tmp_path):
     colours = len(np.unique(pixels.reshape(-1, 3), axis=0))
     not_white = (pixels < 240).any(2).mean()
     assert colours > 200 and not_white > 0.05  # text, lines, bands and heatmap cells, not a blank page
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, bpe_tokenizer):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
-    bpe_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_score_include_tokens_and_explain(model_dir, tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import DATA, tiny_llama
+from conftest import DATA
 from tatblimp_callback import __version__, build_cache, load_benchmark
 from tatblimp_callback.cli import main
 from tatblimp_callback.data import OFFICIAL_MD5, BenchmarkError
@@ -30,14 +30,6 @@ def assert_made_by_this_machine(record: dict, dtype: str) -> None:
     assert record["environment"] == ENVIRONMENT and record["dtype"] == dtype and record["device"] == "cpu"
     created = datetime.strptime(record["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
     assert abs(datetime.now(timezone.utc) - created) < timedelta(hours=1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, bpe_tokenizer):
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama(len(bpe_tokenizer)).save_pretrained(folder)
-    bpe_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def first_pairs(limit: int, phenomena=None):
