@@ -27,13 +27,15 @@ class CheckpointScorer:
     def __init__(self, run_dir: Path, options: Any, device: str | None):
         """``options``: the sweep's ``SweepOptions``; ``device``: where this process scores (None: the loader's default)."""
         from .data import load_benchmark
+        from .suites import suites_from_args
 
         self.run_dir = run_dir
         self.options = options
         self.device = device
         self.benchmark = load_benchmark(options.data, allow_modified=options.allow_modified)
+        self.suites = suites_from_args(options)  # --suite/--columns, read once for every checkpoint
         self._tokenizers: dict[str, tuple[Any, int | None]] = {}  # files key -> (tokenizer, mismatches)
-        self._caches: dict[str, Any] = {}  # files key -> SentenceCache
+        self._evaluators: dict[str, Any] = {}  # files key -> Evaluator (its cache holds TatBLiMP and the suites)
         if options.tokenizer:
             self._tokenizer_for(run_dir)  # a wrong --tokenizer is the sweep's error, not each checkpoint's
 
@@ -51,23 +53,25 @@ class CheckpointScorer:
         key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
         with _quiet_transformers():  # its per-load progress bars would break the sweep's own
             model = load_model(str(checkpoint.path), self.device, options.dtype, **placement)
-        budget = self.options.memory_budget_mb
-        evaluator = Evaluator(
-            tokenizer,
-            self.benchmark,
-            cache=self._caches.get(key),
-            prefix_token_id=self.options.prefix_token_id,
-            allow_modified=self.options.allow_modified,
-            memory_budget=budget * 2**20 if budget else None,
-            truncate=self.options.truncate,
-        )
-        results = evaluator(model)
-        self._caches[key] = evaluator.cache
+        if key not in self._evaluators:
+            budget = self.options.memory_budget_mb
+            self._evaluators[key] = Evaluator(
+                tokenizer,
+                self.benchmark,
+                prefix_token_id=self.options.prefix_token_id,
+                allow_modified=self.options.allow_modified,
+                memory_budget=budget * 2**20 if budget else None,
+                truncate=self.options.truncate,
+                suites=self.suites,
+            )
+        results = self._evaluators[key](model)
+        self._evaluators[key]._scorer = None  # it holds this model: let it go before the next checkpoint loads
         record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
         if mismatches is not None:
             record["sentencepiece_mismatches"] = mismatches
         if not self.options.include_pairs:
-            record.pop("pairs")
+            for part in (record, *record.get("suites", {}).values()):
+                part.pop("pairs")
         return record
 
     def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:

@@ -221,12 +221,14 @@ def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtyp
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     used = torch.zeros((len(rows), width), dtype=torch.long)
-    allowed = [], [], []  # tree rows: (row, query column, key column) of every pair that may attend
+    # Each column's parent column in its row's tree (itself at a root and in padding): the mask is built
+    # from these with tensor ops, never from a Python list of every attending pair (a forward call has millions).
+    parents = torch.arange(width).repeat(len(rows), 1)
+    depth_most = 0
     positions, contexts, targets, owners, slots = [], [], [], [], []
     filled = 0
     for r, row in enumerate(rows):
         columns: dict[tuple[int, int], int] = {}  # a node of the row -> its column
-        ancestors: list[list[int]] = []  # per column: the columns it sees, itself included
         read: dict[int, int] = {}  # column -> its index in ``positions``
         for sequence in row:
             ids = sequences[sequence]
@@ -237,10 +239,12 @@ def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtyp
                 node = (parent, token) if kind == "tree" else (sequence, depth)
                 column = columns.get(node)
                 if column is None:
-                    column = columns[node] = len(ancestors)
-                    ancestors.append((ancestors[parent] if parent >= 0 else []) + [column])
+                    column = columns[node] = len(columns)
+                    if parent >= 0:
+                        parents[r, column] = parent
                     input_ids[r, column] = token
                     position_ids[r, column] = depth
+                    depth_most = max(depth_most, depth)
                 parent = column
                 if answer_ids and depth < last:
                     continue
@@ -253,18 +257,12 @@ def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtyp
                     targets.append(target)
                     owners.append(sequence)
                     slots.append(slot)
-        filled += len(ancestors)
-        used[r, : len(ancestors)] = 1
+        filled += len(columns)
+        used[r, : len(columns)] = 1
         # Padding after the last sequence: its own position run, so it is a separate block when packed.
-        position_ids[r, len(ancestors) :] = torch.arange(width - len(ancestors))
-        for column, seen in enumerate(ancestors if kind == "tree" else []):
-            allowed[0].extend([r] * len(seen))
-            allowed[1].extend([column] * len(seen))
-            allowed[2].extend(seen)
+        position_ids[r, len(columns) :] = torch.arange(width - len(columns))
     if kind == "tree":
-        tree = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding attends to itself only
-        tree[allowed] = True
-        attention_mask = tree.unsqueeze(1)
+        attention_mask = _tree_mask(parents, depth_most).unsqueeze(1)
         if tree_mask_dtype != torch.bool:
             attention_mask = torch.zeros(attention_mask.shape, dtype=tree_mask_dtype).masked_fill_(
                 ~attention_mask, torch.finfo(tree_mask_dtype).min
@@ -282,6 +280,18 @@ def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtyp
         score_slots=torch.tensor(slots, dtype=torch.long),
     )
     return batch, filled
+
+
+def _tree_mask(parents: torch.Tensor, depth_most: int) -> torch.Tensor:
+    """[rows, width, width] bool: each column sees itself and its ancestors (``parents``: [rows, width], a
+    root's and padding's parent is itself, so padding attends to itself only)."""
+    rows, width = parents.shape
+    tree = torch.zeros((rows, width, width), dtype=torch.bool)
+    seen = torch.arange(width).repeat(rows, 1)  # each column's ancestor at the current step up
+    for _ in range(depth_most + 1):  # a column at depth d has d ancestors: d steps up reach its root
+        tree.scatter_(2, seen.unsqueeze(2), True)
+        seen = parents.gather(1, seen)
+    return tree
 
 
 def _used_positions(row: list[int], sequences, kind: str, inputs: dict[int, int]) -> int:

@@ -237,8 +237,8 @@ def _text(record: dict, key: str | None, where: str, *, required: bool) -> str |
     return value
 
 
-def add_suite_arguments(parser) -> None:
-    """``--suite NAME=PATH`` (repeatable), ``--columns [NAME:]ROLE=COLUMN,...`` and ``--suites-only``."""
+def add_suite_arguments(parser, suites_only: bool = True) -> None:
+    """``--suite NAME=PATH`` (repeatable), ``--columns [NAME:]ROLE=COLUMN,...`` and (with ``suites_only``) ``--suites-only``."""
     group = parser.add_argument_group("more minimal-pair suites in the same pass (see suites.py)")
     group.add_argument(
         "--suite",
@@ -254,6 +254,8 @@ def add_suite_arguments(parser) -> None:
         metavar="[NAME:]good=COL,bad=COL[,phenomenon=COL][,subtype=COL]",
         help="where a suite's fields are, for layouts not detected (NAME: only that suite); repeatable",
     )
+    if not suites_only:
+        return
     group.add_argument(
         "--suites-only",
         action="store_true",

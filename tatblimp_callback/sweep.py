@@ -30,6 +30,7 @@ from .jsonl import read_complete_lines
 from .loading import add_model_arguments
 from .outputs import say
 from .placement import placement_options
+from .suites import add_suite_arguments, parse_suite_option
 from .sweep_processes import SweepProcesses
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,13 @@ class SweepOptions:
 
     truncate: bool = False
     """Cut sentences longer than the model's context instead of failing."""
+
+    suite: list[str] = field(default_factory=list)
+    """More suites scored in the same pass, ``NAME=PATH`` each (as ``score --suite``); each record gets
+    ``"suites": {name: results}``. A results file holds one set of suites: a rerun with others is refused."""
+
+    columns: list[str] = field(default_factory=list)
+    """``[NAME:]good=COL,bad=COL,...``: where a suite's fields are, for layouts not detected (as ``score --columns``)."""
 
     include_pairs: bool = False
     """Keep the per-pair list (as in ``score --output``) in each JSONL line; off to keep lines small."""
@@ -175,10 +183,13 @@ class _WandbLogger:
             config={"tatblimp_sweep_dir": str(run_dir)},
         )
         self.run.define_metric("train/global_step")
-        self.run.define_metric("tatblimp/*", step_metric="train/global_step", step_sync=True)
+        for section in ("tatblimp", *(parse_suite_option(text)[0] for text in options.suite)):
+            self.run.define_metric(f"{section}/*", step_metric="train/global_step", step_sync=True)
 
     def log(self, record: dict[str, Any]) -> None:
         flat = {k: v for k, v in flat_record(record, phenomenon_intervals=False).items() if k != "step"}
+        for name, suite in record.get("suites", {}).items():  # each suite its own section: <name>/acc, ...
+            flat.update({k: v for k, v in flat_record(suite, name, phenomenon_intervals=False).items() if k != "step"})
         self.run.log({**flat, "train/global_step": record["step"]})
 
     def finish(self, acquisition: dict[str, int | None]) -> None:
@@ -216,6 +227,7 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     if not find_checkpoints(run_dir) and not options.watch:
         raise SweepError(no_checkpoints_message(run_dir))
     records = read_records(run_dir / RESULTS_FILE)
+    check_same_suites(records, [parse_suite_option(text)[0] for text in options.suite], run_dir / RESULTS_FILE)
     if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
     processes = SweepProcesses()
@@ -227,6 +239,23 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
         history_from_records(report.records), options.threshold, use_lower_bound=options.acquisition == "lower-bound"
     )
     return report
+
+
+def check_same_suites(records: list[dict[str, Any]], names: list[str], path: Path) -> None:
+    """Refuse to append records scored on other suites than ``names`` to ``path``'s records.
+
+    Raises:
+        SweepError: a record of ``path`` has other suites (by name) than ``names``.
+    """
+    for record in records:
+        theirs = sorted(record.get("suites", {}))
+        if theirs != sorted(names):
+            had = ", ".join(theirs) or "no suites"
+            asked = ", ".join(sorted(names)) or "no suites"
+            raise SweepError(
+                f"{path}: {record['checkpoint']} was scored with {had}, this sweep asks for {asked}; "
+                "one results file holds one set of suites: pass the same --suite options, or move the file away to start anew"
+            )
 
 
 def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
@@ -325,6 +354,7 @@ def add_sweep_parser(commands) -> None:
     parser.add_argument("run_dir", help="folder with checkpoint-<step> (or other *<step>) sub-folders")
     add_model_arguments(parser)
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
+    add_suite_arguments(parser, suites_only=False)
     parser.add_argument("--watch", action="store_true", help="keep polling for new checkpoints (stop: Ctrl-C or --max-wait)")
     parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
     parser.add_argument("--max-wait", type=float, help="with --watch: stop after this many seconds without a new checkpoint")

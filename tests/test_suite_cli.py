@@ -103,3 +103,62 @@ def test_a_suite_scored_alone(model_dirs, suite_folder, tmp_path, capsys):
     assert record["benchmark"]["release"].startswith("blimp (md5 ")
     assert main(["score", str(model_dirs[0]), "--suites-only"]) == 1
     assert "--suites-only needs at least one --suite" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sweep_with_suites_scores_them_as_score_does_and_refuses_other_suites(
+    model_dirs, small_data, suite_folder, own_csv, tmp_path, capsys
+):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from trainer_utils import wandb_records
+
+    run = tmp_path / "run"
+    for step, folder in zip((10, 20), model_dirs):
+        shutil.copytree(folder, run / f"checkpoint-{step}")
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    suites = ["--suite", f"blimp={suite_folder}", "--suite", f"mine={own_csv}", "--columns", "mine:good=OK,bad=BAD"]
+    common = ["--data", str(small_data), "--allow-modified", "--device", "cpu"]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "tatblimp_callback", "sweep", str(run), *common, *suites]
+    command += ["--interval", "0.1", "--no-progress", "--wandb-project", "p"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "tatblimp.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [line["step"] for line in lines] == [10, 20]
+
+    for line, folder in zip(lines, model_dirs):  # the same numbers as `tatblimp score --suite` on that checkpoint
+        out = tmp_path / f"{folder.name}.json"
+        assert main(["score", str(folder), *common, *suites, "--output", str(out)]) == 0
+        scored = json.loads(out.read_text(encoding="utf-8"))
+        assert line["acc_norm"] == scored["acc_norm"] and "pairs" not in line and line["n"] == 48
+        assert list(line["suites"]) == ["blimp", "mine"]
+        for name, suite in line["suites"].items():
+            expected = {k: v for k, v in scored["suites"][name].items() if k not in ("pairs", "tokenizer")}
+            assert {k: v for k, v in suite.items() if k != "tokenizer"} == expected, name  # tokenizer: the checkpoint's copy
+        assert line["suites"]["blimp"]["n"] == 29 and line["suites"]["blimp"]["left_out"][0]["line"] == IDENTICAL_LINE
+    assert lines[0]["suites"]["blimp"]["outcomes"] != lines[1]["suites"]["blimp"]["outcomes"]  # two different models
+
+    # Each suite its own wandb section over the checkpoint's step.
+    (wandb_run,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = [r["history"]["item"] for r in wandb_records(str(wandb_run)) if r["type"] == "history"]
+    assert [item["train/global_step"] for item in history if "blimp/acc_norm" in item] == [10, 20]
+    assert [item["mine/acc"] for item in history] == [line["suites"]["mine"]["acc"] for line in lines]
+
+    # compare reads the sweep's suites at two of its steps.
+    capsys.readouterr()
+    assert main(["compare", f"{run}/tatblimp.jsonl@10", f"{run}/tatblimp.jsonl@20", "--json", str(tmp_path / "cmp.json")]) == 0
+    comparison = json.loads((tmp_path / "cmp.json").read_text())
+    assert set(comparison["suites"]) == {"blimp", "mine"}
+    overall = next(t for t in comparison["suites"]["blimp"]["paired"] if t["group"] == "overall" and t["metric"] == "acc_norm")
+    assert overall["n"] == 29
+
+    # A rerun with other suites would mix records of different suites in one file: refused, naming both.
+    shutil.copytree(model_dirs[0], run / "checkpoint-30")
+    assert main(["sweep", str(run), *common, "--suite", f"blimp={suite_folder}", "--interval", "0.1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "checkpoint-10 was scored with blimp, mine, this sweep asks for blimp" in err
+    assert len((run / "tatblimp.jsonl").read_text().splitlines()) == 2

@@ -92,8 +92,10 @@ def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokeni
     peak tensor memory of an evaluation stays at the budget's size whatever the number of sentences.
 
     Before, every batch (inputs, 4D tree masks, score indices) was built at once and kept for the next
-    evaluation: 1.16 GiB over the budget with all of BLiMP.
+    evaluation: 1.16 GiB over the budget with all of BLiMP. The torch profiler counts tensors; tracemalloc
+    counts the Python objects the profiler does not see (a tree mask once built from lists of every pair).
     """
+    import tracemalloc
     import weakref
 
     from torch._C._profiler import _EventType
@@ -122,10 +124,13 @@ def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokeni
         return batch
 
     Batches.__getitem__ = counted
+    tracemalloc.start()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             scorer.score()
+        python_peak = tracemalloc.get_traced_memory()[1]  # what the profiler does not see: Python objects
     finally:
+        tracemalloc.stop()
         Batches.__getitem__ = build
     layout = scorer.layout()
     assert len(layout.batches) >= 4 and most[0] == 1
@@ -141,4 +146,7 @@ def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokeni
     for _, size in sorted(events):
         current += size
         peak = max(peak, current)
+    # Measured (2026-12-01): tensor peak 10.1 MiB; Python objects 0.20 MiB at peak, 1.47 MiB when each tree batch's
+    # mask was built from Python lists of every attending pair. Both within the budget, the Python share under 1/32.
     assert 0 < peak <= budget, peak
+    assert peak + python_peak <= budget and python_peak <= budget // 32, (peak, python_peak)
