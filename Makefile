@@ -1,19 +1,20 @@
 # Two commands on a fresh machine: `make demo` (the tiny Tatar training run with the callback)
 # and `make test`. Both create .venv and install into it first. CI (.ci/run) also runs
-# `make lint` and `make package-check` (the wheel installed and used as users get it).
+# `make lint`, `make package-check` (the wheel installed and used as users get it) and
+# `make docs` (the documentation site, mkdocs.yml, built strictly into site/).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SHARED ?= ../shared
 
-.PHONY: install demo test lint format package-check bench
+.PHONY: install demo test lint format package-check bench docs
 
 $(BIN)/tatblimp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel of torch first, so the project's torch range installs nothing more.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,docs]'
 	touch $@
 
 install: $(BIN)/tatblimp
@@ -32,6 +33,10 @@ lint: install
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# A broken link, a missing page or a docstring reference that does not resolve fails the build (--strict).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 package-check: install
 	PYTHON=$(abspath $(BIN)/python) SHARED=$(abspath $(SHARED)) bash .ci/check_package.sh

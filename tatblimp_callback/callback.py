@@ -46,7 +46,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class TatBLiMPCallback(TrainerCallback):
-    """Scores the model on TatBLiMP every ``eval_steps`` optimizer steps and logs per-phenomenon curves."""
+    """Scores the model on TatBLiMP every ``eval_steps`` optimizer steps and logs per-phenomenon curves.
+
+    It also scores before the first step, at every Trainer evaluation and at the last step; each result
+    goes, once and at its global step, to ``state.log_history``, the Trainer's reporters, the console and
+    ``history_file``. The fields below are its options (all keyword arguments) and, after them, what it
+    keeps (``history``, ``failures``, ``last_results``, ``acquisition``).
+
+    Raises:
+        ValueError: ``eval_steps`` is neither a whole number of at least 1 nor a fraction between 0 and 1, or
+            ``protocol`` is unknown (when built); at the start of
+            training, no tokenizer is given and the Trainer has no ``processing_class``, or
+            ``metric_for_best_model`` is a TatBLiMP key while ``eval_on_evaluate`` is False.
+
+    Example:
+        ```python
+        trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+        callback = TatBLiMPCallback.attach(trainer, eval_steps=500)
+        trainer.train()
+        print(callback.last_results.acc_norm)
+        ```
+    """
 
     eval_steps: int | float = 500
     """Score every this many global (optimizer) steps; a float between 0 and 1 is a fraction of the run's total
@@ -140,6 +160,7 @@ class TatBLiMPCallback(TrainerCallback):
     """Evaluations that raised (and were logged instead of raised)."""
 
     last_results: Results | None = field(default=None, init=False, repr=False)
+    """The latest log-prob results (None before the first evaluation)."""
 
     last_fc_results: ForcedChoiceResults | None = field(default=None, init=False, repr=False)
     """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
@@ -170,7 +191,24 @@ class TatBLiMPCallback(TrainerCallback):
     @classmethod
     def attach(cls, trainer, **options) -> TatBLiMPCallback:
         """Build the callback with ``options``, add it to ``trainer`` and return it; the one call that lets the
-        results reach all of the Trainer's reporters (``report_to``)."""
+        results reach all of the Trainer's reporters (``report_to``).
+
+        Args:
+            trainer: the ``transformers.Trainer`` to score during ``trainer.train()``.
+            **options: the callback's fields (``eval_steps``, ``data``, ``cache_path``, ...).
+
+        Returns:
+            The callback, already in ``trainer``'s callbacks.
+
+        Raises:
+            TypeError: an option the callback does not have.
+            ValueError: an option's value is invalid (see the class).
+
+        Example:
+            ```python
+            callback = TatBLiMPCallback.attach(trainer, eval_steps=500, cache_path="tatblimp_cache.safetensors")
+            ```
+        """
         callback = cls(trainer=trainer, **options)
         trainer.add_callback(callback)
         return callback

@@ -96,10 +96,13 @@ class Benchmark:
 
     @property
     def official(self) -> bool:
+        """True for the exact TatBLiMP v1.0 file (by md5)."""
         return self.md5 == OFFICIAL_MD5
 
     @property
     def release(self) -> str:
+        """The release name: "TatBLiMP v1.0 (2026-06-19)" for the official file, else "modified (md5 ...)";
+        with ", partial: ..." when only some pairs were kept (``select``)."""
         release = OFFICIAL_RELEASE if self.official else f"modified (md5 {self.md5})"
         return f"{release}, partial: {self.selection}" if self.selection else release
 
@@ -158,6 +161,23 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
 
     A file whose md5 is not the official TatBLiMP v1.0 one raises ``BenchmarkError`` unless
     ``allow_modified`` is True; it is then reported as modified, with its own md5, in every result.
+
+    Args:
+        source: a JSONL file of pairs (TatBLiMP's fields, or BLiMP's ``sentence_good``/``sentence_bad``).
+        allow_modified: accept a file that is not the official release.
+
+    Returns:
+        The pairs in file order, with the file's path and md5.
+
+    Raises:
+        BenchmarkError: the file cannot be read or downloaded, a line is malformed (named by file and
+            line), the file is empty, or its md5 is not the official one without ``allow_modified``.
+
+    Example:
+        ```python
+        benchmark = load_benchmark("test.jsonl")
+        print(len(benchmark.pairs), benchmark.release)
+        ```
     """
     path = Path(source) if source is not None else _default_path()
     try:

@@ -33,20 +33,28 @@ def model_device(model: torch.nn.Module) -> torch.device:
 class Evaluator:
     """Holds the tokenized benchmark and a scorer, so each evaluation is a forward pass and nothing more.
 
-    Use it in a custom training loop::
+    The benchmark is read and tokenized at the first call, on the model's device, and kept; each call
+    scores every pair with the model it is given.
 
+    Example:
+        In a custom training loop:
+
+        ```python
         evaluator = Evaluator(tokenizer, data="test.jsonl")
         for step in ...:
             if step % 500 == 0:
                 results = evaluator(model)
                 print(step, results.acc_norm)
+        ```
 
     More minimal-pair suites (BLiMP, TurBLiMP, MultiBLiMP, your own; see ``suites``) go into the same
-    cache and the same forward sweep, sentences that start alike sharing their positions across suites::
+    cache and the same forward sweep, sentences that start alike sharing their positions across suites:
 
-        evaluator = Evaluator(tokenizer, data="test.jsonl", suites={"blimp": "blimp/data"})
-        results = evaluator(model)  # results.suites["blimp"] is a full Results, with left_out
-        results = evaluator(model, suites=[])  # TatBLiMP alone this time (a big suite scored less often)
+    ```python
+    evaluator = Evaluator(tokenizer, data="test.jsonl", suites={"blimp": "blimp/data"})
+    results = evaluator(model)  # results.suites["blimp"] is a full Results, with left_out
+    results = evaluator(model, suites=[])  # TatBLiMP alone this time (a big suite scored less often)
+    ```
 
     Args:
         tokenizer: a Hugging Face tokenizer or a ``SentencePieceTokenizer``; not needed with ``cache``.
@@ -64,6 +72,9 @@ class Evaluator:
             ``suites.load_suite``); their results are in ``results.suites[name]``.
         include_tokens: also give each pair's token log-probs, token texts and edit span
             (``Results.pair_tokens``, see ``token_results``); the texts need ``tokenizer``.
+
+    Raises:
+        ValueError: neither ``tokenizer`` nor ``cache`` is given.
     """
 
     def __init__(
@@ -135,8 +146,20 @@ class Evaluator:
         and all of them return the same results. A failure on one process raises on all of them.
 
         Args:
-            model: the causal LM.
+            model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, FSDP, ``torch.compile``
+                or PEFT; it is scored in eval mode without gradients and put back in the mode it was in.
             suites: the names of the suites to score this time (default: all); TatBLiMP is always scored.
+
+        Returns:
+            The metrics overall, per phenomenon and subtype, and per pair.
+
+        Raises:
+            BenchmarkError: the benchmark file cannot be read, is malformed, or is not the official release
+                (without ``allow_modified``).
+            TokenizationError: no prefix token can be found, or a sentence encodes to no tokens.
+            ScoringError: the model cannot score the benchmark (weights on the meta device, a vocabulary
+                smaller than the tokenizer's, a sentence longer than its context without ``truncate``).
+            PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
@@ -231,6 +254,29 @@ def evaluate(
 
     ``options`` are those of ``Evaluator`` (``suites={"blimp": PATH}`` among them). For repeated scoring keep an ``Evaluator``, which
     tokenizes only once.
+
+    Args:
+        model: a causal LM (``AutoModelForCausalLM``), on the device it should be scored on.
+        tokenizer: its Hugging Face tokenizer, or a ``SentencePieceTokenizer`` for a model trained on raw
+            sentencepiece ids; not needed with ``cache=``.
+        data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
+            ``ilchats/TatBLiMP``.
+        **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
+            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``).
+
+    Returns:
+        The metrics overall, per phenomenon and subtype, and per pair.
+
+    Raises:
+        BenchmarkError: the benchmark file cannot be read, is malformed, or is not the official release.
+        TokenizationError: no prefix token can be found, or a sentence encodes to no tokens.
+        ScoringError: the model cannot score the benchmark (see ``Evaluator.__call__``).
+
+    Example:
+        ```python
+        results = evaluate(model, tokenizer, "test.jsonl")
+        print(results.acc_norm, results.phenomena["binding"].acc_norm)
+        ```
     """
     return Evaluator(tokenizer, data, **options)(model)
 

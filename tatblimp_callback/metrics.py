@@ -82,7 +82,38 @@ class PairResult:
 
 @dataclass
 class Results:
-    """All of one evaluation: overall, per phenomenon and subtype, and per pair (file order)."""
+    """All of one evaluation: overall, per phenomenon and subtype, and per pair (file order).
+
+    Returned by ``evaluate``, ``Evaluator`` and the callback (``callback.last_results``). The headline numbers
+    are properties: ``acc``, ``acc_norm`` (the primary metric), their 95% Wilson intervals ``acc_ci`` and
+    ``acc_norm_ci``, and ``non_finite_pairs`` (pairs left out for NaN or inf log-probs).
+
+    Attributes:
+        overall: the metrics over all pairs with finite log-probs.
+        phenomena: the same per phenomenon, by name, in file order.
+        subtypes: the same per subtype.
+        pairs: every pair's log-probs, token and byte counts, and outcome, in file order.
+        benchmark_md5: the md5 of the file scored.
+        benchmark_release: "TatBLiMP v1.0 (2026-06-19)" for the official file, else "modified (md5 ...)".
+        benchmark_source: the path of the file scored.
+        tokenizer: the tokenizer's name or path.
+        tokens: scored tokens over all sentences (the prefix token excluded).
+        bytes: UTF-8 bytes over all sentences.
+        truncated_sentences: sentences cut to the model's context (with ``truncate``).
+        selection: which pairs were scored when not all (``--limit``, ``--phenomena``); None: all.
+        run_info: how it was computed: the scoring method, seconds, padding and prefix sharing, retries, model.
+        left_out: a suite's pairs that could not be scored (``{"file", "line", "reason"}``); None: not a suite.
+        suites: the results of the other suites scored in the same pass, by name.
+        pair_tokens: per-pair token log-probs, texts and edit spans, when asked for (``include_tokens``).
+
+    Example:
+        ```python
+        results = evaluate(model, tokenizer, "test.jsonl")
+        print(f"{results.acc_norm:.3f} {results.acc_norm_ci}")
+        print(results.format_table())
+        json.dump(results.to_dict(), open("results.json", "w"))
+        ```
+    """
 
     overall: GroupResult
     phenomena: dict[str, GroupResult]

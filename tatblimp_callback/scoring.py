@@ -77,6 +77,18 @@ class Scorer:
             None chooses the fastest that matches a plain forward, and checks it again later.
         truncate: cut sentences longer than the model's context instead of raising; the number
             cut is reported.
+
+    Raises:
+        ScoringError: the model has weights on the meta device, its embedding is smaller than the
+            tokenizer's ids, or a sequence is longer than its context (without ``truncate``).
+
+    Example:
+        The engine under ``Evaluator``, for per-sentence log-probs:
+
+        ```python
+        cache = build_cache(tokenizer, "test.jsonl", device=model.device)
+        logprobs = Scorer(model, cache).score()  # float64, one per sentence: 2*i good, 2*i+1 bad of pair i
+        ```
     """
 
     def __init__(
@@ -142,6 +154,14 @@ class Scorer:
         (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller
         budget. Sequences that come out NaN or inf are scored again on rows of their own, so that
         one diverged sequence does not spread to the others of its row.
+
+        Returns:
+            Float64 log-probs on the CPU: ``[sentences]``, or ``[prompts, answers]`` for forced-choice prompts.
+
+        Raises:
+            ScoringError: no scoring method agrees with a plain forward of the model.
+            torch.OutOfMemoryError: still out of memory at the smallest budget.
+            PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
         was_training = self.model.training
         self.model.eval()
