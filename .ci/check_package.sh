@@ -26,7 +26,7 @@ import sys, tarfile, zipfile
 from pathlib import Path
 
 repo, wheel, sdist = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-modules = {f"tatblimp_callback/{p.name}" for p in (repo / "tatblimp_callback").glob("*.py")}
+modules = {p.relative_to(repo).as_posix() for p in (repo / "tatblimp_callback").rglob("*.py")}
 in_wheel = set(zipfile.ZipFile(wheel).namelist())
 dist_info = next(n.split("/")[0] for n in in_wheel if n.endswith(".dist-info/METADATA"))
 wanted = modules | {"tatblimp_callback/py.typed", f"{dist_info}/licenses/LICENSE", f"{dist_info}/entry_points.txt"}

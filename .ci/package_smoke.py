@@ -117,7 +117,7 @@ def check_base(work: Path, benchmark: Path) -> None:
 
 
 def check_plot(work: Path, benchmark: Path) -> None:
-    from tatblimp_callback.curves import plot_curves
+    from tatblimp_callback.results.curves import plot_curves
 
     scored = json.loads((work / "score.json").read_text(encoding="utf-8"))  # the base check's
     metrics = {"tatblimp/acc_norm": scored["acc_norm"]}

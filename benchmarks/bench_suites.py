@@ -25,7 +25,7 @@ import torch
 from bench_scoring import SHARED, LmEvalRunner, load_converted_tokenizer, make_model
 
 from tatblimp_callback import Evaluator, load_benchmark
-from tatblimp_callback.suites import load_suite
+from tatblimp_callback.reading.suites import load_suite
 
 PAIRS = "0,16000,all"  # BLiMP pairs added to TatBLiMP in each workload (--suite-pairs)
 

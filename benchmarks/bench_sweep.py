@@ -50,7 +50,7 @@ def make_run(folder: Path, checkpoints: int, shape: str, spm_model: Path) -> Non
 
 def worker(run_dir: str, data: str, out_dir: str) -> None:
     """One process of the launch: sweep, then write its time in ``sweep()`` and its peak memory."""
-    from tatblimp_callback.sweep import SweepOptions, sweep
+    from tatblimp_callback.commands.sweep import SweepOptions, sweep
 
     start = time.perf_counter()
     report = sweep(run_dir, SweepOptions(data=data, allow_modified=True, progress=False))

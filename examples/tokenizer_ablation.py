@@ -22,8 +22,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from tatblimp_callback import SentencePieceTokenizer
-from tatblimp_callback.compare import format_markdown, format_text, load_runs, plot_comparison
-from tatblimp_callback.sweep import SweepOptions, sweep
+from tatblimp_callback.commands.compare import format_markdown, format_text, load_runs, plot_comparison
+from tatblimp_callback.commands.sweep import SweepOptions, sweep
 
 
 def parse_args() -> argparse.Namespace:

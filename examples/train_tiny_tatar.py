@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
 from tatblimp_callback import TatBLiMPCallback
-from tatblimp_callback.curves import plot_curves
+from tatblimp_callback.results.curves import plot_curves
 
 
 def parse_args() -> argparse.Namespace:

@@ -5,18 +5,18 @@ for custom loops, ``load_benchmark`` for the data (``load_suite`` for BLiMP, Tur
 ``evaluate_forced_choice`` (local) and ``evaluate_endpoint`` (an OpenAI-compatible server).
 """
 
-from .cache import SentenceCache, build_cache
-from .callback import TatBLiMPCallback
-from .data import Benchmark, BenchmarkError, Pair, load_benchmark
-from .distributed import PeerFailure, this_process_only
-from .endpoint import ChatClient, EndpointError, evaluate_endpoint
+from .chat.endpoint import ChatClient, EndpointError, evaluate_endpoint
+from .chat.forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
+from .commands.loading import load_tokenizer
+from .engine.distributed import PeerFailure, this_process_only
+from .engine.scoring import Scorer, ScoringError, ScoringMethod
 from .evaluation import Evaluator, evaluate
-from .forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
-from .loading import load_tokenizer
-from .metrics import GroupResult, PairResult, Results, compute_results
-from .scoring import Scorer, ScoringError, ScoringMethod
-from .suites import Suite, load_suite
-from .tokenization import SentencePieceTokenizer, TokenizationError
+from .reading.data import Benchmark, BenchmarkError, Pair, load_benchmark
+from .reading.suites import Suite, load_suite
+from .results.metrics import GroupResult, PairResult, Results, compute_results
+from .tokenized.cache import SentenceCache, build_cache
+from .tokenized.tokenization import SentencePieceTokenizer, TokenizationError
+from .training.callback import TatBLiMPCallback
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 

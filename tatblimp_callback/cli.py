@@ -25,14 +25,15 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__, distributed
-from .compare import add_compare_parser
-from .explain import add_explain_parser
-from .loading import add_model_arguments, load_from_args, tokenizer_source
-from .outputs import check_output_file, say, silence_stdout, write_text
-from .report import add_report_parser
-from .suites import add_suite_arguments, suites_from_args
-from .sweep import add_sweep_parser
+from . import __version__
+from .commands.compare import add_compare_parser
+from .commands.explain import add_explain_parser
+from .commands.loading import add_model_arguments, load_from_args, tokenizer_source
+from .commands.outputs import check_output_file, say, silence_stdout, write_text
+from .commands.sweep import add_sweep_parser
+from .engine import distributed
+from .reading.suites import add_suite_arguments, suites_from_args
+from .reports.report import add_report_parser
 
 VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
 
@@ -79,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
-    from .data import load_benchmark
     from .evaluation import evaluate
-    from .tokenization import check_sentencepiece_mismatch
+    from .reading.data import load_benchmark
+    from .tokenized.tokenization import check_sentencepiece_mismatch
 
     tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing
     suites = suites_from_args(args)
@@ -137,7 +138,7 @@ def run_score(args: argparse.Namespace) -> None:
         return  # every process scored the same rows; process 0 reports
     report(results, args.output)
     if results.pair_tokens is not None:
-        from .token_results import edit_margins, format_edit_margins
+        from .results.token_results import edit_margins, format_edit_margins
 
         say(format_edit_margins(edit_margins(results.pair_tokens, [p.phenomenon for p in results.pairs])))
 
@@ -181,8 +182,8 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_forced_choice(args: argparse.Namespace) -> None:
     """``tatblimp score --protocol forced-choice``: a local chat model, or an endpoint with ``--endpoint``."""
-    from .data import load_benchmark
-    from .forced_choice import DEFAULT_PROMPT, check_prompt
+    from .chat.forced_choice import DEFAULT_PROMPT, check_prompt
+    from .reading.data import load_benchmark
 
     if args.protocol != "forced-choice":
         raise ValueError("--endpoint needs --protocol forced-choice (chat endpoints give no sentence log-probabilities)")
@@ -192,7 +193,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         return load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
 
     if args.endpoint:
-        from .endpoint import ChatClient, evaluate_endpoint
+        from .chat.endpoint import ChatClient, evaluate_endpoint
 
         if not args.model_name:
             raise ValueError("--endpoint needs --model-name (the model field of each request)")
@@ -221,7 +222,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
             progress=sys.stderr.isatty(),
         )
     else:
-        from .forced_choice import evaluate_forced_choice
+        from .chat.forced_choice import evaluate_forced_choice
 
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")

@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from . import distributed
-from .cache import SentenceCache, build_cache, concat_caches
-from .data import Benchmark
-from .metrics import Results, compute_results
-from .model_checks import input_device, weights_label
-from .provenance import provenance
-from .scoring import Scorer, ScoringMethod, unwrap_model
-from .suites import Suite, load_suite
-from .token_results import pair_tokens
+from .engine import distributed
+from .engine.model_checks import input_device, weights_label
+from .engine.scoring import Scorer, ScoringMethod, unwrap_model
+from .reading.data import Benchmark
+from .reading.suites import Suite, load_suite
+from .results.metrics import Results, compute_results
+from .results.provenance import provenance
+from .results.token_results import pair_tokens
+from .tokenized.cache import SentenceCache, build_cache, concat_caches
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -35,11 +35,11 @@ from tatblimp_callback import (
     ScoringMethod,
     TatBLiMPCallback,
     build_cache,
-    memory_budget,
 )
-from tatblimp_callback import distributed as tdist
-from tatblimp_callback.forced_choice import DEFAULT_ROW_LENGTH as FC_ROW
-from tatblimp_callback.forced_choice import build_prompt_cache
+from tatblimp_callback.chat.forced_choice import DEFAULT_ROW_LENGTH as FC_ROW
+from tatblimp_callback.chat.forced_choice import build_prompt_cache
+from tatblimp_callback.engine import distributed as tdist
+from tatblimp_callback.engine import memory_budget
 
 BUDGET = 2**20  # small, so that the 96 sentences make several batches
 ROW = 160  # 9 rows, one a batch: an odd count, so FSDP needs a repeated batch on one rank

@@ -172,7 +172,7 @@ def test_cache_is_saved_and_reused_by_fingerprint(bpe_tokenizer, eos_only_tokeni
     make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [first], max_steps=1).train()
     assert path.exists()
 
-    import tatblimp_callback.cache as cache_module
+    import tatblimp_callback.tokenized.cache as cache_module
 
     real_encode = cache_module.encode_sentences
     calls = []

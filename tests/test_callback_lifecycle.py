@@ -41,7 +41,7 @@ def test_a_resumed_run_has_the_curves_of_an_uninterrupted_one(bpe_tokenizer, sma
     expected_file = history_lines(tmp_path / "run" / "tatblimp_history.jsonl")
 
     # The same run, resumed from step 3 in the same folder: its file holds the abandoned steps 4 to 6 until then.
-    import tatblimp_callback.cache as cache_module
+    import tatblimp_callback.tokenized.cache as cache_module
 
     encoded = []
     real_encode = cache_module.encode_sentences

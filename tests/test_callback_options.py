@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_llama
 from tatblimp_callback import TatBLiMPCallback
-from tatblimp_callback.curves import acquisition_steps
+from tatblimp_callback.results.curves import acquisition_steps
 from trainer_utils import make_trainer
 
 

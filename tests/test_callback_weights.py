@@ -50,7 +50,7 @@ def test_evaluate_after_load_best_model_at_end_scores_the_loaded_weights(bpe_tok
     fresh = evaluate(trainer.model, bpe_tokenizer, small_data, allow_modified=True)
     assert metrics["eval_tatblimp/acc_norm"] == fresh.acc_norm == trainer.state.best_metric == curve[best_step]
     assert metrics["eval_tatblimp/acc"] == fresh.acc
-    from tatblimp_callback.model_checks import weights_label
+    from tatblimp_callback.engine.model_checks import weights_label
 
     # One curve point per step still, and the history file names the weights each line measured.
     assert [e["step"] for e in tatblimp_entries(trainer)] == [0, 2, 4, 6, 8]
@@ -96,7 +96,7 @@ def test_a_partial_last_history_line_is_dropped_on_resume(bpe_tokenizer, small_d
 
 
 def test_an_unwritable_cache_file_warns_once_and_scoring_goes_on(bpe_tokenizer, small_data, tmp_path, caplog, monkeypatch):
-    import tatblimp_callback.cache as cache_module
+    import tatblimp_callback.tokenized.cache as cache_module
 
     encoded = []
     real_encode = cache_module.encode_sentences

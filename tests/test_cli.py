@@ -12,7 +12,7 @@ import pytest
 from conftest import DATA, reference_logprobs, tiny_llama
 from tatblimp_callback import load_benchmark
 from tatblimp_callback.cli import main
-from tatblimp_callback.data import OFFICIAL_PHENOMENA
+from tatblimp_callback.reading.data import OFFICIAL_PHENOMENA
 
 
 def test_score_prints_the_table_and_writes_json(model_dir, bpe_tokenizer, tmp_path, capsys):

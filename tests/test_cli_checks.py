@@ -13,7 +13,7 @@ import pytest
 from conftest import DATA, tiny_llama
 from tatblimp_callback import TatBLiMPCallback, evaluate
 from tatblimp_callback.cli import build_parser, main
-from tatblimp_callback.scoring import ScoringError
+from tatblimp_callback.engine.scoring import ScoringError
 
 TATBLIMP = str(Path(sys.executable).parent / "tatblimp")
 
@@ -57,9 +57,9 @@ def test_a_mistyped_path_fails_at_once_in_a_real_process(tmp_path):
 
 
 def test_what_needs_no_model_is_checked_before_it_loads(model_dir, tmp_path, monkeypatch, capsys):
-    import tatblimp_callback.cli as cli
+    import tatblimp_callback.commands.loading as loading
 
-    monkeypatch.setattr(cli, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
     (tmp_path / "a-file").write_text("")
     model = ["score", str(model_dir)]
     assert error_of([*model, "--data", str(tmp_path / "nope.jsonl")], capsys).startswith(

@@ -10,8 +10,16 @@ import pytest
 
 from conftest import tiny_llama
 from tatblimp_callback.cli import main
-from tatblimp_callback.compare import CompareError, compare_runs, format_markdown, format_text, load_run, load_runs, to_json
-from tatblimp_callback.curves import acquisition_step, acquisition_steps
+from tatblimp_callback.commands.compare import (
+    CompareError,
+    compare_runs,
+    format_markdown,
+    format_text,
+    load_run,
+    load_runs,
+    to_json,
+)
+from tatblimp_callback.results.curves import acquisition_step, acquisition_steps
 from test_stats import wilson
 
 

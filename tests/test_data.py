@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DATA, write_pairs
 from tatblimp_callback import BenchmarkError, load_benchmark
-from tatblimp_callback.data import OFFICIAL_MD5, OFFICIAL_PHENOMENA, OFFICIAL_RELEASE
+from tatblimp_callback.reading.data import OFFICIAL_MD5, OFFICIAL_PHENOMENA, OFFICIAL_RELEASE
 
 GOOD = {"good": "Мин китап укыйм.", "bad": "Мин китап укыйсың.", "phenomenon": "subject_verb_agreement", "subtype": "1sg"}
 

@@ -15,8 +15,8 @@ import torch
 from conftest import tiny_llama
 from tatblimp_callback import evaluate
 from tatblimp_callback.cli import main
-from tatblimp_callback.loading import load_model
-from tatblimp_callback.scoring_method import agree, relative_tolerance
+from tatblimp_callback.commands.loading import load_model
+from tatblimp_callback.engine.scoring_method import agree, relative_tolerance
 
 LAYERS = 4
 

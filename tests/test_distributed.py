@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tatblimp_callback.distributed import assign, shard
+from tatblimp_callback.engine.distributed import assign, shard
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 LAUNCH_TIMEOUT = 300  # seconds; a hang fails the test instead of the suite

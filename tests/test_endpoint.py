@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import tiny_llama, write_pairs
+from tatblimp_callback.chat.endpoint import ChatClient, EndpointError, EndpointRejected, evaluate_endpoint, parse_answer
+from tatblimp_callback.chat.forced_choice import evaluate_forced_choice
 from tatblimp_callback.cli import main
-from tatblimp_callback.endpoint import ChatClient, EndpointError, EndpointRejected, evaluate_endpoint, parse_answer
-from tatblimp_callback.forced_choice import evaluate_forced_choice
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +169,8 @@ def test_free_generation_is_parsed_strictly_and_counted(model, chat_tokenizer, e
 
 
 def _user_messages(data) -> list[str]:
-    from tatblimp_callback.data import load_benchmark
-    from tatblimp_callback.forced_choice import all_item_messages
+    from tatblimp_callback.chat.forced_choice import all_item_messages
+    from tatblimp_callback.reading.data import load_benchmark
 
     return [m[-1]["content"] for m in all_item_messages(load_benchmark(data, allow_modified=True))]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import tatblimp_callback
+from tatblimp_callback.chat.endpoint import ChatClient, evaluate_endpoint
 from tatblimp_callback.cli import main
-from tatblimp_callback.endpoint import ChatClient, evaluate_endpoint
 from test_endpoint import ChatServer
 
 

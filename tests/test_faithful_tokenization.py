@@ -13,7 +13,7 @@ import torch
 from conftest import DATA, SPM_MODEL, reference_logprobs, tiny_llama
 from tatblimp_callback import SentencePieceTokenizer, TatBLiMPCallback, build_cache, evaluate, load_benchmark, load_tokenizer
 from tatblimp_callback.cli import main
-from tatblimp_callback.tokenization import check_sentencepiece_mismatch, compare_tokenizations
+from tatblimp_callback.tokenized.tokenization import check_sentencepiece_mismatch, compare_tokenizations
 
 pytestmark = pytest.mark.skipif(not SPM_MODEL.exists(), reason=f"the shared SentencePiece model is not at {SPM_MODEL}")
 

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import DATA
 from tatblimp_callback.cli import main
-from tatblimp_callback.flips import Flips, flips, sweep_flips
-from tatblimp_callback.runs import load_run
-from tatblimp_callback.stats import Outcomes, paired_counts
+from tatblimp_callback.results.flips import Flips, flips, sweep_flips
+from tatblimp_callback.results.runs import load_run
+from tatblimp_callback.results.stats import Outcomes, paired_counts
 
 DEMO = Path(__file__).parent / "data" / "demo_history.jsonl"  # the demo run's history file (examples/train_tiny_tatar.py)
 
@@ -120,7 +120,7 @@ def test_compare_at_a_step_uses_the_history_up_to_that_step(records, tmp_path, c
     full = load_run(DEMO)
     assert len(full.history) == len(records)
     # Acquisition up to the step: a phenomenon acquired only later reads "never" at the step.
-    from tatblimp_callback.curves import acquisition_steps, history_from_records
+    from tatblimp_callback.results.curves import acquisition_steps, history_from_records
 
     expected = acquisition_steps(history_from_records([r for r in records if r["step"] <= middle]))
     assert run.acquisition() == expected

@@ -18,9 +18,7 @@ from conftest import (
     write_pairs,
 )
 from tatblimp_callback import load_benchmark
-from tatblimp_callback.cli import main
-from tatblimp_callback.data import Benchmark, Pair
-from tatblimp_callback.forced_choice import (
+from tatblimp_callback.chat.forced_choice import (
     DEFAULT_PROMPT,
     DEFAULT_ROW_LENGTH,
     ForcedChoiceEvaluator,
@@ -30,8 +28,10 @@ from tatblimp_callback.forced_choice import (
     evaluate_forced_choice,
     items_from_logprobs,
 )
-from tatblimp_callback.scoring import Scorer, ScoringError, ScoringMethod
-from tatblimp_callback.tokenization import TokenizationError
+from tatblimp_callback.cli import main
+from tatblimp_callback.engine.scoring import Scorer, ScoringError, ScoringMethod
+from tatblimp_callback.reading.data import Benchmark, Pair
+from tatblimp_callback.tokenized.tokenization import TokenizationError
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +237,7 @@ def test_evaluator_restores_mode_and_tokenizes_once(chat_tokenizer, fc_data, mon
     evaluator = ForcedChoiceEvaluator(chat_tokenizer, fc_data, allow_modified=True)
     first = evaluator(model)
     assert model.training
-    import tatblimp_callback.forced_choice as fc
+    import tatblimp_callback.chat.forced_choice as fc
 
     monkeypatch.setattr(fc, "build_prompt_cache", lambda *a, **k: pytest.fail("tokenized again"))
     second = evaluator(model)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tatblimp_callback import BenchmarkError
-from tatblimp_callback.data import load_benchmark, parse_pairs
+from tatblimp_callback.reading.data import load_benchmark, parse_pairs
 
 NAME = "fuzz.jsonl"
 FIELDS = ["good", "bad", "phenomenon", "subtype", "sentence_good", "sentence_bad", "UID", "linguistics_term"]

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import tiny_llama
 from tatblimp_callback.cli import main
-from tatblimp_callback.loading import load_model
+from tatblimp_callback.commands.loading import load_model
 
 CUSTOM_CODE = """
 from transformers import LlamaConfig, LlamaForCausalLM

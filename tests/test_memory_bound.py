@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import DATA, SPM_MODEL, tiny_llama
 from tatblimp_callback import Scorer, SentencePieceTokenizer, build_cache
-from tatblimp_callback.memory_budget import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
+from tatblimp_callback.engine.memory_budget import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
 
 VOCAB = 48000
 
@@ -125,7 +125,7 @@ def test_both_protocols_count_the_models_own_logits_in_the_positions_per_forward
     from dataclasses import replace
 
     from tatblimp_callback import ScoringMethod
-    from tatblimp_callback.memory_budget import activation_bytes_per_position
+    from tatblimp_callback.engine.memory_budget import activation_bytes_per_position
 
     budget = 512 * 2**20  # several rows' worth of positions even with full logits
     prompts = replace(small_cache, answer_ids=(5, 6))  # the same sequences, read as forced-choice prompts

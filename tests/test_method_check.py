@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from conftest import CORPUS, reference_logprobs
-from tatblimp_callback import Scorer, ScoringMethod, build_cache, scoring
-from tatblimp_callback.model_checks import weight_fingerprint
-from tatblimp_callback.scoring_method import MOVED, RECHECK_EVERY, RecheckSchedule
+from tatblimp_callback import Scorer, ScoringMethod, build_cache
+from tatblimp_callback.engine import scoring
+from tatblimp_callback.engine.model_checks import weight_fingerprint
+from tatblimp_callback.engine.scoring_method import MOVED, RECHECK_EVERY, RecheckSchedule
 
 # bf16 rounding: padded rows and a one-sentence-at-a-time bf16 forward differ by at most 0.03 nats
 # here; tree rows of a forward that drops position ids, by a median of about 0.5 (up to 4).

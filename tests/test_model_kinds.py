@@ -10,8 +10,8 @@ import torch
 
 from conftest import tiny_llama
 from tatblimp_callback import Evaluator, evaluate
-from tatblimp_callback.scoring import ScoringError, ScoringMethod
-from tatblimp_callback.scoring_method import RELATIVE_TOLERANCE, TF32_TOLERANCE, relative_tolerance
+from tatblimp_callback.engine.scoring import ScoringError, ScoringMethod
+from tatblimp_callback.engine.scoring_method import RELATIVE_TOLERANCE, TF32_TOLERANCE, relative_tolerance
 
 PLAIN = ScoringMethod("padded", "full_logits")  # one sequence per row through the model's own forward: the definition
 
@@ -23,8 +23,8 @@ def good_logprobs(results) -> torch.Tensor:
 def test_lora_on_the_lm_head_is_scored_through_the_adapter(bpe_tokenizer, small_data):
     from peft import LoraConfig, get_peft_model
 
-    from tatblimp_callback.model_checks import relative_change, unwrap_model, weight_fingerprint
-    from tatblimp_callback.scoring_method import MOVED
+    from tatblimp_callback.engine.model_checks import relative_change, unwrap_model, weight_fingerprint
+    from tatblimp_callback.engine.scoring_method import MOVED
 
     model = get_peft_model(tiny_llama(len(bpe_tokenizer)), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"]))
     evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tatblimp_callback.cache import SentenceCache
-from tatblimp_callback.packing import build_layout, tree_rows
+from tatblimp_callback.engine.packing import build_layout, tree_rows
+from tatblimp_callback.tokenized.cache import SentenceCache
 
 BOS = 1
 
@@ -96,7 +96,7 @@ def test_packed_and_padded_rows_read_one_position_per_token():
 def test_identical_sentences_tie_exactly_and_shared_prefixes_are_computed_once():
     from conftest import reference_logprobs, tiny_llama
     from tatblimp_callback import Scorer
-    from tatblimp_callback.metrics import compute_results
+    from tatblimp_callback.results.metrics import compute_results
 
     # Pair 0: the same sentence twice (a tie, which fails); pair 1: a sentence and its own prefix.
     sentences = [[BOS, 5, 6, 7, 8], [BOS, 5, 6, 7, 8], [BOS, 5, 6, 7], [BOS, 2, 4]]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tatblimp_callback.compare import load_runs, plot_comparison
-from tatblimp_callback.data import OFFICIAL_ORDER, OFFICIAL_PHENOMENA
+from tatblimp_callback.commands.compare import load_runs, plot_comparison
+from tatblimp_callback.reading.data import OFFICIAL_ORDER, OFFICIAL_PHENOMENA
 
 
 @pytest.fixture

@@ -28,9 +28,8 @@ from tatblimp_callback import (
     TatBLiMPCallback,
     build_cache,
     evaluate,
-    memory_budget,
-    scoring_method,
 )
+from tatblimp_callback.engine import memory_budget, scoring_method
 from trainer_utils import make_trainer, tatblimp_entries
 
 PAIRS = 48  # small_data: three pairs of each of the 16 phenomena

@@ -16,9 +16,9 @@ import pytest
 
 from conftest import DATA
 from tatblimp_callback.cli import main
-from tatblimp_callback.report import build_report
-from tatblimp_callback.runs import load_runs
-from tatblimp_callback.stats import Outcomes
+from tatblimp_callback.reports.report import build_report
+from tatblimp_callback.results.runs import load_runs
+from tatblimp_callback.results.stats import Outcomes
 
 DEMO = Path(__file__).parent / "data" / "demo_history.jsonl"  # the demo run's history file (examples/train_tiny_tatar.py)
 CHROMIUM = os.environ.get("TATBLIMP_CHROMIUM", "/usr/bin/chromium")
@@ -168,7 +168,7 @@ def test_score_include_tokens_and_explain(model_dir, tmp_path, capsys):
 
 def test_explain_colours_a_terminal_and_names_bad_requests(model_dir, capsys):
     from tatblimp_callback.cli import build_parser
-    from tatblimp_callback.explain import run_explain
+    from tatblimp_callback.commands.explain import run_explain
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -187,10 +187,10 @@ def test_explain_colours_a_terminal_and_names_bad_requests(model_dir, capsys):
 
 
 def test_report_with_a_model_shows_the_tokens_of_the_listed_pairs(model_dir, demo_records, tmp_path):
-    from tatblimp_callback.data import load_benchmark
-    from tatblimp_callback.explain import score_pairs
-    from tatblimp_callback.loading import load_model, load_tokenizer
-    from tatblimp_callback.report import report_pairs
+    from tatblimp_callback.commands.explain import score_pairs
+    from tatblimp_callback.commands.loading import load_model, load_tokenizer
+    from tatblimp_callback.reading.data import load_benchmark
+    from tatblimp_callback.reports.report import report_pairs
 
     report = tmp_path / "report.html"
     assert (

@@ -15,8 +15,8 @@ import transformers
 from conftest import DATA
 from tatblimp_callback import __version__, build_cache, load_benchmark
 from tatblimp_callback.cli import main
-from tatblimp_callback.data import OFFICIAL_MD5, BenchmarkError
-from tatblimp_callback.sweep import SweepOptions, sweep
+from tatblimp_callback.commands.sweep import SweepOptions, sweep
+from tatblimp_callback.reading.data import OFFICIAL_MD5, BenchmarkError
 
 ENVIRONMENT = {
     "python": platform.python_version(),
@@ -95,7 +95,7 @@ def test_a_sweep_record_says_what_made_it(model_dir, small_data, tmp_path):
 
 
 def test_endpoint_answers_of_the_whole_benchmark_are_not_reused_for_a_selection(small_data, tmp_path):
-    from tatblimp_callback.endpoint import EndpointError, _load_results, _open_results
+    from tatblimp_callback.chat.endpoint import EndpointError, _load_results, _open_results
 
     benchmark = load_benchmark(small_data, allow_modified=True)
     header = {"tatblimp_forced_choice": 1, "model": "m", "benchmark_md5": benchmark.md5, "prompt": "p", "system_prompt": None}

@@ -7,7 +7,7 @@ import torch
 
 from conftest import DATA, ignore_tree_masks, reference_logprobs, tiny_llama
 from tatblimp_callback import Evaluator, Scorer, ScoringError, ScoringMethod, build_cache, evaluate, load_benchmark
-from tatblimp_callback.data import Benchmark
+from tatblimp_callback.reading.data import Benchmark
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_model_mode_is_restored(bpe_tokenizer, small_data):
 def test_evaluator_tokenizes_once(model, bpe_tokenizer, small_data, monkeypatch):
     evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True)
     first = evaluator(model)
-    import tatblimp_callback.cache as cache_module
+    import tatblimp_callback.tokenized.cache as cache_module
 
     monkeypatch.setattr(cache_module, "encode_sentences", lambda *a, **k: pytest.fail("tokenized again"))
     second = evaluator(model)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import DATA, tiny_llama
 from tatblimp_callback import build_cache, compute_results, load_benchmark
-from tatblimp_callback.stats import Outcomes, bh_adjust, mcnemar_p, paired_tests, wilson_interval
+from tatblimp_callback.results.stats import Outcomes, bh_adjust, mcnemar_p, paired_tests, wilson_interval
 
 Z = NormalDist().inv_cdf(0.975)
 

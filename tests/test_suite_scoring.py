@@ -10,9 +10,9 @@ import torch
 
 from conftest import SHARED, tiny_llama
 from tatblimp_callback import Evaluator, Scorer, build_cache, evaluate
-from tatblimp_callback.cache import concat_caches
-from tatblimp_callback.scoring_method import LOGIT_SCALE, relative_tolerance
-from tatblimp_callback.suites import load_suite
+from tatblimp_callback.engine.scoring_method import LOGIT_SCALE, relative_tolerance
+from tatblimp_callback.reading.suites import load_suite
+from tatblimp_callback.tokenized.cache import concat_caches
 
 BLIMP = SHARED / "blimp" / "data"
 
@@ -102,7 +102,7 @@ def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokeni
     from torch.profiler import ProfilerActivity, profile
 
     from tatblimp_callback import load_benchmark
-    from tatblimp_callback.packing import Batches
+    from tatblimp_callback.engine.packing import Batches
 
     budget = 16 * 2**20
     folder = blimp_subset(

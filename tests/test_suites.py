@@ -10,7 +10,7 @@ import pytest
 
 from conftest import DATA, SHARED
 from tatblimp_callback import BenchmarkError
-from tatblimp_callback.suites import load_suite, parse_columns, suites_from_args
+from tatblimp_callback.reading.suites import load_suite, parse_columns, suites_from_args
 
 BLIMP = SHARED / "blimp" / "data"
 # The pairs of BLiMP whose two sentences are identical, as released (shared/blimp/README.md: 7 of them).
@@ -27,7 +27,7 @@ IDENTICAL = [
 
 @pytest.fixture(scope="module")
 def blimp(request):
-    caplog = logging.getLogger("tatblimp_callback.suites")
+    caplog = logging.getLogger("tatblimp_callback.reading.suites")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -135,7 +135,7 @@ def test_a_column_mapping_for_other_layouts(tmp_path):
 
 def test_identical_pairs_of_a_csv_are_left_out_and_counted(tmp_path, caplog):
     file = write(tmp_path / "x.csv", "good,bad,phenomenon\na b,a c,p\nsame,same,p\nd e,d f,p\n")
-    with caplog.at_level(logging.WARNING, logger="tatblimp_callback.suites"):
+    with caplog.at_level(logging.WARNING, logger="tatblimp_callback.reading.suites"):
         suite = load_suite("x", file)
     assert len(suite) == 2
     assert suite.left_out == ({"file": str(file), "line": 3, "reason": "the good and bad sentences are identical"},)

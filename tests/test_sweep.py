@@ -12,9 +12,9 @@ import pytest
 from conftest import tiny_llama
 from tatblimp_callback import evaluate
 from tatblimp_callback.cli import main
-from tatblimp_callback.compare import load_run, plot_comparison
-from tatblimp_callback.curves import plot_curves
-from tatblimp_callback.sweep import SweepError, SweepOptions, find_checkpoints, sweep
+from tatblimp_callback.commands.compare import load_run, plot_comparison
+from tatblimp_callback.commands.sweep import SweepError, SweepOptions, find_checkpoints, sweep
+from tatblimp_callback.results.curves import plot_curves
 
 STEPS = (10, 20, 30)
 
@@ -219,7 +219,7 @@ def test_wandb_curves_over_the_checkpoint_step_into_an_existing_run(run_dir, sma
 
 
 def test_sweep_records_carry_intervals_and_outcomes_and_compare_two_of_its_steps(run_dir, small_data, capsys):
-    from tatblimp_callback.curves import acquisition_step
+    from tatblimp_callback.results.curves import acquisition_step
 
     report = sweep(run_dir, options(small_data, acquisition="lower-bound", threshold=0.2))
     lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]

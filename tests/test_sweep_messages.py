@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DATA
 from tatblimp_callback.cli import main
-from tatblimp_callback.sweep import SweepError, SweepOptions, sweep
+from tatblimp_callback.commands.sweep import SweepError, SweepOptions, sweep
 
 LOOKED_FOR = (
     "no checkpoints found (looked for sub-folders named with a step number, e.g. checkpoint-500, "

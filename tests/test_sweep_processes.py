@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_llama
-from tatblimp_callback.sweep import SweepOptions, sweep
+from tatblimp_callback.commands.sweep import SweepOptions, sweep
 from trainer_utils import wandb_records
 
 BIN = Path(sys.executable).parent

@@ -9,8 +9,8 @@ import torch
 
 from conftest import tiny_llama
 from tatblimp_callback import Evaluator, Scorer, ScoringMethod, build_cache
-from tatblimp_callback.scoring_method import agree, relative_tolerance
-from tatblimp_callback.token_results import edit_margins, edit_span, pair_tokens, token_texts
+from tatblimp_callback.engine.scoring_method import agree, relative_tolerance
+from tatblimp_callback.results.token_results import edit_margins, edit_span, pair_tokens, token_texts
 
 METHODS = [ScoringMethod(layout, head) for layout in ("tree", "packed", "padded") for head in ("tiled", "full_logits")]
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import DATA, SPM_MODEL
 from tatblimp_callback import SentencePieceTokenizer, TokenizationError, build_cache, compute_results, load_benchmark
-from tatblimp_callback.tokenization import encode_sentences, resolve_prefix_token_id
+from tatblimp_callback.tokenized.tokenization import encode_sentences, resolve_prefix_token_id
 
 SENTENCES = ["Мин китап укыйм.", "Бакчаның кешесе юк."]
 
@@ -138,7 +138,7 @@ def test_ties_fail_and_are_counted(bpe_tokenizer):
 
 
 def test_a_tokenizer_built_in_memory_is_named_by_its_fingerprint(bpe_tokenizer, eos_only_tokenizer):
-    from tatblimp_callback.tokenization import tokenizer_fingerprint, tokenizer_name
+    from tatblimp_callback.tokenized.tokenization import tokenizer_fingerprint, tokenizer_name
 
     name = tokenizer_name(bpe_tokenizer)
     assert name == f"{type(bpe_tokenizer).__name__} (built in memory, fingerprint {tokenizer_fingerprint(bpe_tokenizer)})"

@@ -2,7 +2,7 @@
 
 - ``reference/api.md``: every public name of ``tatblimp_callback`` (its ``__all__``) has a
   ``::: tatblimp_callback...`` entry, so the API reference grows with the package.
-- ``architecture.md``: every module of ``tatblimp_callback/`` is named (as ``module.py``), so a new
+- ``architecture.md``: every module of ``tatblimp_callback/`` is named (as ``layer/module.py``), so a new
   module gets its place in a layer.
 
 A page that misses one fails the build, naming what is missing.
@@ -31,7 +31,10 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
         if missing:
             raise PluginError(f"reference/api.md has no '::: tatblimp_callback...' entry for: {', '.join(missing)}")
     elif page.file.src_uri == "architecture.md":
-        modules = {path.name for path in PACKAGE.glob("*.py") if path.name not in ("__init__.py", "__main__.py")}
+        # named by their path in the package (``engine/scoring.py``), so the page shows the folders too
+        modules = {
+            path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py") if path.name not in ("__init__.py", "__main__.py")
+        }
         missing = sorted(name for name in modules if not re.search(rf"\b{re.escape(name)}\b", markdown))
         if missing:
             raise PluginError(f"architecture.md does not name these modules of tatblimp_callback/: {', '.join(missing)}")

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import Benchmark
-from .metrics import grouped, overall_metric
+from ..reading.data import Benchmark
+from ..results.metrics import grouped, overall_metric
 
 LETTERS = ("A", "B")
 ORDERS = ("good_first", "bad_first")  # item 2*i + o uses ORDERS[o]; the right answer is LETTERS[o]

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..reading.jsonl import read_complete_lines
+from ..reading.suites import add_suite_arguments, parse_suite_option
+from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
-from .curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
-from .jsonl import read_complete_lines
 from .loading import add_model_arguments
 from .outputs import say
 from .placement import placement_options
-from .suites import add_suite_arguments, parse_suite_option
 from .sweep_processes import SweepProcesses
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ..reading.jsonl import split_lines
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
-from .jsonl import split_lines
 from .stats import Outcomes
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder

@@ -20,12 +20,12 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from .compare import compare_runs, comparison_rows, paired_rows
-from .curves import DEFAULT_THRESHOLD, acquisition_steps
-from .flips import Flips, flips, pair_sentences, sweep_flips
+from ..commands.compare import compare_runs, comparison_rows, paired_rows
+from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
+from ..results.flips import Flips, flips, pair_sentences, sweep_flips
+from ..results.runs import Run, load_runs, read_outcomes
+from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
-from .runs import Run, load_runs, read_outcomes
-from .stats import format_interval, paired_tests
 
 __all__ = ["build_report", "write_report"]
 
@@ -296,7 +296,7 @@ def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Pat
 
 def add_report_parser(commands) -> None:
     """Add ``tatblimp report`` to the CLI's sub-commands."""
-    from .loading import add_model_arguments
+    from ..commands.loading import add_model_arguments
 
     parser = commands.add_parser("report", help="write one self-contained HTML report of runs (curves, heatmap, flips)")
     parser.add_argument("results", nargs="+", help="sweep / history JSONL files or score --output JSON files (first: baseline)")
@@ -319,9 +319,9 @@ def run_report(args: argparse.Namespace) -> None:
     runs = load_runs(args.results)
     details = None
     if args.model:
-        from .data import load_benchmark
-        from .explain import score_pairs
-        from .loading import load_from_args
+        from ..commands.explain import score_pairs
+        from ..commands.loading import load_from_args
+        from ..reading.data import load_benchmark
 
         benchmark = load_benchmark(
             args.data or runs[0].record.get("benchmark", {}).get("source"), allow_modified=args.allow_modified

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .data import Benchmark, load_benchmark
+from ..reading.data import Benchmark, load_benchmark
+from ..reading.jsonl import read_complete_lines
+from ..results.provenance import provenance
 from .forced_choice import (
     DEFAULT_PROMPT,
     ORDERS,
@@ -37,8 +39,6 @@ from .forced_choice import (
     all_item_messages,
     compute_choice_results,
 )
-from .jsonl import read_complete_lines
-from .provenance import provenance
 
 logger = logging.getLogger(__name__)
 

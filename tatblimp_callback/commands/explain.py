@@ -20,9 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .data import Benchmark
-from .metrics import PairResult
-from .token_results import PairTokens
+from ..reading.data import Benchmark
+from ..results.metrics import PairResult
+from ..results.token_results import PairTokens
 
 LN2 = math.log(2)
 RESET, BOLD, EDIT, HIGH, MEDIUM = "\033[0m", "\033[1m", "\033[30;43m", "\033[31m", "\033[33m"
@@ -43,7 +43,7 @@ def score_pairs(
     Returns:
         pair index -> (its ``PairResult``, its ``PairTokens``).
     """
-    from .evaluation import Evaluator
+    from ..evaluation import Evaluator
 
     indices = list(dict.fromkeys(indices))
     if not indices:
@@ -176,7 +176,7 @@ def choose_pairs(args: argparse.Namespace, benchmark: Benchmark) -> tuple[list[i
 
 
 def run_explain(args: argparse.Namespace, stream: Any = None) -> None:
-    from .data import load_benchmark
+    from ..reading.data import load_benchmark
     from .loading import load_from_args
 
     stream = stream or sys.stdout

@@ -21,12 +21,12 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
+from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
+from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
+from ..results.stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 from .checkpoints import step_of
-from .curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
-from .flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from .outputs import check_output_file, say, write_text
-from .runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
-from .stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 
 __all__ = [
     "CompareError",

@@ -31,13 +31,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from . import callback_options, distributed, reporting
-from .curves import DEFAULT_THRESHOLD, acquisition_steps
-from .data import Benchmark
-from .evaluation import Evaluator
-from .forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
-from .metrics import Results
-from .model_checks import unwrap_model, weights_label
+from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
+from ..engine import distributed
+from ..engine.model_checks import unwrap_model, weights_label
+from ..evaluation import Evaluator
+from ..reading.data import Benchmark
+from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
+from ..results.metrics import Results
+from . import callback_options, reporting
 from .monitoring_errors import ErrorLog, rng_preserved
 from .suite_schedule import check_suite_options, suite_history_files, suites_due
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .packing import token_lists
+from ..engine.packing import token_lists
 
 __all__ = ["PairTokens", "add_token_fields", "edit_margins", "edit_span", "format_edit_margins", "pair_tokens", "token_texts"]
 

@@ -24,8 +24,12 @@ from typing import Any
 
 import torch
 
-from . import distributed
-from .cache import SentenceCache, cache_fingerprint, cache_from_token_lists
+from ..engine import distributed
+from ..engine.scoring import Scorer, ScoringMethod
+from ..evaluation import scorer_for, timed_score
+from ..reading.data import Benchmark, Pair, load_benchmark
+from ..tokenized.cache import SentenceCache, cache_fingerprint, cache_from_token_lists
+from ..tokenized.tokenization import TokenizationError, tokenizer_name
 from .choice_results import (  # noqa: F401  (importable from here, as before)
     LETTERS,
     ORDERS,
@@ -36,10 +40,6 @@ from .choice_results import (  # noqa: F401  (importable from here, as before)
     compute_choice_results,
     items_from_logprobs,
 )
-from .data import Benchmark, Pair, load_benchmark
-from .evaluation import scorer_for, timed_score
-from .scoring import Scorer, ScoringMethod
-from .tokenization import TokenizationError, tokenizer_name
 
 DEFAULT_PROMPT = "Which of these two sentences is grammatical Tatar?\n\nA: {a}\nB: {b}\n\nAnswer with one letter: A or B."
 """The user message of every item; ``{a}`` and ``{b}`` are replaced by the two sentences."""

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .data import OFFICIAL_ORDER
+from ..reading.data import OFFICIAL_ORDER
 
 DEFAULT_THRESHOLD = 0.75
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .cache import SentenceCache
+from ..tokenized.cache import SentenceCache
 from .stats import encode_outcomes, format_interval, run_lengths, wilson_interval
 from .token_results import add_token_fields
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .jsonl import read_complete_lines
-from .metrics import Results
+from ..reading.jsonl import read_complete_lines
+from ..results.metrics import Results
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +176,9 @@ def is_evaluation_log(logs: dict[str, Any]) -> bool:
 def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
     """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
     run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
-    from .curves import DEFAULT_THRESHOLD
-    from .report import write_report
-    from .runs import load_runs
+    from ..reports.report import write_report
+    from ..results.curves import DEFAULT_THRESHOLD
+    from ..results.runs import load_runs
 
     runs = load_runs([history])
     output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import SentenceCache
+from ..tokenized.cache import SentenceCache
 
 logger = logging.getLogger(__name__)
 

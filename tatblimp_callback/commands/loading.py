@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..tokenized.tokenization import SentencePieceTokenizer
 from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
 from .placement import add_placement_arguments, placement_options
-from .tokenization import SentencePieceTokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -85,7 +85,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
     if folder is not None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
     if folder is not None:
-        from .model_checks import check_causal_config
+        from ..engine.model_checks import check_causal_config
 
         check_causal_config(folder)
     options = from_pretrained_options(**placement)

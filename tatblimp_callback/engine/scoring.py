@@ -22,8 +22,8 @@ import logging
 
 import torch
 
+from ..tokenized.cache import SentenceCache
 from . import distributed
-from .cache import SentenceCache
 from .memory_budget import (
     default_memory_budget,
     positions_per_forward,

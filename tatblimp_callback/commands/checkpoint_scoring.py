@@ -26,8 +26,8 @@ class CheckpointScorer:
 
     def __init__(self, run_dir: Path, options: Any, device: str | None):
         """``options``: the sweep's ``SweepOptions``; ``device``: where this process scores (None: the loader's default)."""
-        from .data import load_benchmark
-        from .suites import suites_from_args
+        from ..reading.data import load_benchmark
+        from ..reading.suites import suites_from_args
 
         self.run_dir = run_dir
         self.options = options
@@ -40,7 +40,7 @@ class CheckpointScorer:
             self._tokenizer_for(run_dir)  # a wrong --tokenizer is the sweep's error, not each checkpoint's
 
     def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
-        from .evaluation import Evaluator
+        from ..evaluation import Evaluator
 
         options = self.options
         placement = {
@@ -75,7 +75,7 @@ class CheckpointScorer:
         return record
 
     def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:
-        from .tokenization import check_sentencepiece_mismatch
+        from ..tokenized.tokenization import check_sentencepiece_mismatch
 
         source = self.options.tokenizer or _tokenizer_folder(path, self.run_dir)
         key = _files_key(Path(source))
@@ -122,7 +122,7 @@ def _files_key(source: Path) -> str:
 
 def score_or_failure(scorer: CheckpointScorer, checkpoint: Checkpoint) -> tuple[str, dict[str, Any] | None]:
     """("scored", record), ("failed", {"error", "process"}) or ("vanished", None): scored on this process alone."""
-    from . import distributed
+    from ..engine import distributed
 
     try:
         with distributed.this_process_only():

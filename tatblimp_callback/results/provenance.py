@@ -22,7 +22,7 @@ def environment() -> dict[str, str]:
     import transformers
 
     # The package's own __version__, read from the already imported package (importing it here would close a cycle).
-    __version__ = sys.modules[__package__].__version__
+    __version__ = sys.modules[__package__.partition(".")[0]].__version__
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

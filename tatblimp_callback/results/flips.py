@@ -92,7 +92,7 @@ def pair_sentences(record: Mapping[str, Any], data: str | os.PathLike | None = N
     pairs = record.get("pairs") or []
     if pairs and all("good" in p and "bad" in p for p in pairs):
         return [(p["good"], p["bad"]) for p in pairs]
-    from .data import BenchmarkError, load_benchmark
+    from ..reading.data import BenchmarkError, load_benchmark
 
     source = data or record.get("benchmark", {}).get("source")
     if not source or not os.path.isfile(source):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .data import Benchmark, load_benchmark
+from ..reading.data import Benchmark, load_benchmark
 from .tokenization import encode_sentences, resolve_prefix_token_id, tokenizer_fingerprint, tokenizer_name
 
 logger = logging.getLogger(__name__)

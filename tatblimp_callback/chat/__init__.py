@@ -1,0 +1,1 @@
+"""Forced choice for chat models: prompts, results, and OpenAI-compatible servers."""

@@ -1,0 +1,1 @@
+"""The scoring engine: row layouts, forward passes, the tiled head, memory, devices, processes."""

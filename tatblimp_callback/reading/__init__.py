@@ -1,0 +1,1 @@
+"""Reading minimal-pair suites: TatBLiMP's strict reader, other suites' files, JSONL lines."""

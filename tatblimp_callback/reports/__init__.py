@@ -1,0 +1,1 @@
+"""The HTML report: one self-contained page with inline SVG charts."""

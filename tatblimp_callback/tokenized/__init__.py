@@ -1,0 +1,1 @@
+"""Tokenizing the sentences once: the prefix-token rule and the tensor cache."""

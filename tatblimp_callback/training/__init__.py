@@ -1,0 +1,1 @@
+"""The Trainer callback: its options, where its results go, its error log, suite schedules."""
