@@ -33,7 +33,9 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
     elif page.file.src_uri == "architecture.md":
         # named by their path in the package (``engine/scoring.py``), so the page shows the folders too
         modules = {
-            path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py") if path.name not in ("__init__.py", "__main__.py")
+            path.relative_to(PACKAGE).as_posix()
+            for path in PACKAGE.rglob("*.py")
+            if path.name not in ("__init__.py", "__main__.py")
         }
         missing = sorted(name for name in modules if not re.search(rf"\b{re.escape(name)}\b", markdown))
         if missing:
