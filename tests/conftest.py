@@ -152,3 +152,20 @@ def ignore_tree_masks(monkeypatch) -> None:
         return preprocess(config, inputs_embeds, attention_mask, *args, **kwargs)
 
     monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", drop_4d_masks)
+
+
+def peak_allocation(prof) -> int:
+    """The peak of the bytes allocated and not yet freed during a ``torch.profiler.profile(profile_memory=True)``."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak

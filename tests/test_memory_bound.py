@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DATA, SPM_MODEL, tiny_llama
+from conftest import DATA, SPM_MODEL, peak_allocation, tiny_llama
 from tatblimp_callback import Scorer, SentencePieceTokenizer, build_cache
 from tatblimp_callback.engine.memory_budget import FULL_LOGITS_DIVISOR, MIN_MEMORY_BUDGET, default_memory_budget
 
@@ -75,23 +75,13 @@ def test_head_never_sees_more_than_a_tile_and_full_logits_never_exist(model, sma
 
 
 def test_peak_allocation_is_within_an_eighth_of_the_full_logits(model, small_cache):
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     scorer = Scorer(model, small_cache)
     scorer.score()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         scorer.score()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-    current = peak = 0
-    for _, size in sorted(events):
-        current += size
-        peak = max(peak, current)
+    peak = peak_allocation(prof)
     full = full_logits_bytes(small_cache)
     # A tile of float32 logits is allocated at least once: the measurement sees it.
     contexts = max(b.score_positions.numel() for b in scorer.layout().batches)

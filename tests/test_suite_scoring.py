@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARED, tiny_llama
+from conftest import SHARED, peak_allocation, tiny_llama
 from tatblimp_callback import Evaluator, Scorer, build_cache, evaluate
 from tatblimp_callback.engine.scoring_method import LOGIT_SCALE, relative_tolerance
 from tatblimp_callback.reading.suites import load_suite
@@ -98,7 +98,6 @@ def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokeni
     import tracemalloc
     import weakref
 
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     from tatblimp_callback import load_benchmark
@@ -136,16 +135,7 @@ def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokeni
     assert len(layout.batches) >= 4 and most[0] == 1
     # What the scorer keeps between evaluations: rows of sequence indices, no tensors.
     assert not any(isinstance(v, torch.Tensor) for v in vars(layout.batches).values())
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-    current = peak = 0
-    for _, size in sorted(events):
-        current += size
-        peak = max(peak, current)
+    peak = peak_allocation(prof)
     # Measured (2026-12-01): tensor peak 10.1 MiB; Python objects 0.20 MiB at peak, 1.47 MiB when each tree batch's
     # mask was built from Python lists of every attending pair. Both within the budget, the Python share under 1/32.
     assert 0 < peak <= budget, peak
