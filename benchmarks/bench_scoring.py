@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--suite-pairs", help="--suites: BLiMP pairs added to TatBLiMP, per workload (default: 0,16000,all)")
     parser.add_argument("--layout-memory", action="store_true", help="--suites: the layouts' tensor bytes only, no scoring")
     parser.add_argument("--method", default="tree", help="--suites: the scoring method the Evaluator is given (default: tree)")
+    parser.add_argument("--in-use-child", action="store_true", help=argparse.SUPPRESS)  # bench_suites.in_use_figures' child
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)

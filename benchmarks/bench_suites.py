@@ -7,9 +7,19 @@ TatBLiMP alone, TatBLiMP + 16,000 BLiMP pairs and TatBLiMP + all of BLiMP (66,99
 evaluation of an ``Evaluator`` already prepared (tokenized once, as in training; the scoring method is
 the one the scorer chooses on TatBLiMP for a Llama, tree rows and tiled head, given so that one call is
 the evaluation measured):
-seconds, positions computed (rows x width of every forward call), seconds per 1,000 positions, peak
-extra resident memory (RSS sampled every millisecond above the level before the call), and the cache's
-size. Then lm-evaluation-harness's ``HFLM.loglikelihood`` (``pip install -e '.[bench]'``) scores the
+seconds, positions computed (rows x width of every forward call), seconds per 1,000 positions, the cache's
+size, and memory, as anonymous resident memory (``RssAnon``: what the process allocated; pages of the
+libraries' code are not counted) sampled every millisecond above its level before the call:
+
+- ``peak_extra_rss_bytes``: the peak, with glibc's malloc as a process leaves it. Freed blocks below
+  glibc's adaptive threshold (up to 32 MiB) stay mapped for reuse, so this counts memory that was used
+  and freed as well as memory in use; ``extra_rss_after_bytes``: what is left after the call, once the
+  scorer has handed freed memory back (``memory_budget.release_freed_memory``).
+- ``peak_in_use_bytes``: the same evaluation in a child process with ``MALLOC_MMAP_THRESHOLD_=131072``,
+  where glibc unmaps every freed block of 128 KiB or more at once, so that the peak is the memory in use
+  (and ``seconds_in_use_child``: the time it costs to fault those pages in again).
+
+Then lm-evaluation-harness's ``HFLM.loglikelihood`` (``pip install -e '.[bench]'``) scores the
 sentences of the largest workload (or ``--lm-eval-workload``) in the same process, and the two are
 compared: time, and decisions pair by pair (we count a tie as a failure, lm-eval's argmax as a pass).
 """
@@ -17,9 +27,15 @@ compared: time, and decisions pair by pair (we count a tie as a failure, lm-eval
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from bench_scoring import SHARED, LmEvalRunner, load_converted_tokenizer, make_model
@@ -30,13 +46,18 @@ from tatblimp_callback.reading.suites import load_suite
 PAIRS = "0,16000,all"  # BLiMP pairs added to TatBLiMP in each workload (--suite-pairs)
 
 
+# glibc unmaps every freed block of at least this size at once: RSS is then the memory in use.
+IN_USE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096
+    """Anonymous resident memory: what the process allocated (not the pages of the libraries' code)."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("RssAnon:"))
 
 
 def peak_rss_during(fn):
-    """(fn(), peak RSS above the level before it, in bytes): a thread samples RSS every millisecond."""
+    """(fn(), peak RSS above the level before it, RSS left above it after, in bytes): a thread samples RSS every millisecond."""
     gc.collect()
     base = rss_bytes()
     peak = [base]
@@ -54,7 +75,22 @@ def peak_rss_during(fn):
     finally:
         done.set()
         thread.join()
-    return result, max(peak[0], rss_bytes()) - base
+    after = rss_bytes()
+    return result, max(peak[0], after) - base, after - base
+
+
+def in_use_figures(args, log) -> dict:
+    """The same workloads in a child process where glibc unmaps freed blocks at once (``IN_USE_ENV``):
+    {workload: its row}, whose peak is the memory in use."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "in_use.json"
+        command = [sys.executable, str(Path(__file__).with_name("bench_scoring.py")), "--suites", "--in-use-child"]
+        command += ["--model-shape", args.model_shape, "--device", args.device, "--method", args.method]
+        command += ["--data", str(args.data), "--tokenizer", str(args.tokenizer), "--skip-lm-eval", "--json", str(out)]
+        command += ["--suite-pairs", args.suite_pairs or PAIRS]
+        log(f"the same workloads with {IN_USE_ENV} in a child process")
+        subprocess.run(command, check=True, env={**os.environ, **IN_USE_ENV})
+        return json.loads(out.read_text())["workloads"]
 
 
 def layout_memory(scorer) -> dict:
@@ -98,7 +134,7 @@ def run_suites(args, report: dict, log) -> dict:
             report["workloads"][name] = layout_memory(evaluator._scorer)
             log(f"{name}: {report['workloads'][name]}")
             continue
-        results, peak = peak_rss_during(lambda evaluator=evaluator: evaluator(model))
+        results, peak, after = peak_rss_during(lambda evaluator=evaluator: evaluator(model))
         seconds = results.run_info["seconds"]
         layout = evaluator._scorer.layout()
         row = {
@@ -111,6 +147,7 @@ def run_suites(args, report: dict, log) -> dict:
             "padding_share": layout.padding_share,
             "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
             "peak_extra_rss_bytes": peak,
+            "extra_rss_after_bytes": after,
             "memory_budget": evaluator._scorer.memory_budget,
             "cache_bytes": evaluator.cache.nbytes,
             "scoring_method": results.run_info["scoring_method"],
@@ -120,9 +157,16 @@ def run_suites(args, report: dict, log) -> dict:
         evaluators[name] = (evaluator, results)
         log(
             f"{name}: {row['pairs']} pairs, {row['sentences']} sentences: {seconds:.1f} s, {row['positions']} positions, "
-            f"{row['seconds_per_1000_positions']:.3f} s per 1,000, peak extra RSS {peak / 2**20:.0f} MiB, "
-            f"cache {row['cache_bytes'] / 2**20:.1f} MiB"
+            f"{row['seconds_per_1000_positions']:.3f} s per 1,000, peak extra RSS {peak / 2**20:.0f} MiB "
+            f"({after / 2**20:.0f} MiB after), cache {row['cache_bytes'] / 2**20:.1f} MiB"
         )
+
+    if not args.in_use_child and not args.layout_memory:
+        for name, child in in_use_figures(args, log).items():
+            row = report["workloads"][name]
+            row["peak_in_use_bytes"] = child["peak_extra_rss_bytes"]
+            row["seconds_in_use_child"] = child["seconds"]
+            log(f"{name}: peak in use {row['peak_in_use_bytes'] / 2**20:.0f} MiB ({child['seconds']:.1f} s in the child)")
 
     if not args.skip_lm_eval and not args.layout_memory:
         name = args.lm_eval_workload or list(evaluators)[-1]
@@ -132,7 +176,7 @@ def run_suites(args, report: dict, log) -> dict:
         texts = [s for b in benchmarks for s in b.sentences]
         runner = LmEvalRunner(model, tokenizer, args.batch_size)
         start = time.perf_counter()
-        theirs, lm_peak = peak_rss_during(lambda: runner(texts))
+        theirs, lm_peak, _ = peak_rss_during(lambda: runner(texts))
         lm_seconds = time.perf_counter() - start
         ours = torch.tensor([[p.good_logprob, p.bad_logprob] for r in parts for p in r.pairs], dtype=torch.float64)
         theirs = theirs.view(-1, 2)

@@ -137,7 +137,9 @@ class Evaluator:
             ]
             return (concat_caches(caches) if len(caches) > 1 else caches[0]).to(device)
 
-        return scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
+        scorer = scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
+        scorer.keep_token_logprobs = self.include_tokens
+        return scorer
 
     def __call__(self, model: torch.nn.Module, suites: list[str] | None = None) -> Results:
         """Score every pair with ``model`` and return the results.

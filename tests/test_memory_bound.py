@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +132,43 @@ def test_both_protocols_count_the_models_own_logits_in_the_positions_per_forward
         # Each position's float32 logits, and their float32 log-softmax: 16 bytes a vocabulary entry.
         assert full.tokens_per_batch == budget // (activations + VOCAB * 16) > 256
         assert all(b.num_positions <= full.tokens_per_batch for b in full.layout().batches)
+
+
+RELEASE_CHILD = """
+import sys
+sys.path[:0] = sys.argv[1:]
+from conftest import DATA, SPM_MODEL, tiny_llama
+from tatblimp_callback import Scorer, SentencePieceTokenizer, build_cache
+from tatblimp_callback.engine import scoring
+
+def rss_anon():
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) << 10 for line in handle if line.startswith("RssAnon"))
+
+tokenizer = SentencePieceTokenizer(SPM_MODEL)
+scorer = Scorer(tiny_llama(len(tokenizer), hidden=32, layers=2), build_cache(tokenizer, DATA))
+before = rss_anon()
+release, scoring.release_freed_memory = scoring.release_freed_memory, lambda device: None
+scorer.score()
+kept = rss_anon() - before
+scoring.release_freed_memory = release
+scorer.score()
+print(kept >> 20, (rss_anon() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc only")
+def test_an_evaluation_hands_the_memory_it_freed_back_to_the_system():
+    # glibc as a long training process leaves it: freed blocks under 32 MiB stay mapped for reuse, and
+    # nothing is trimmed on its own. Most processes then keep hundreds of MiB after an evaluation without
+    # the release; some (by address-space layout) keep little, and prove nothing: another process is tried.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+    path = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+    for _ in range(5):
+        done = subprocess.run([sys.executable, "-c", RELEASE_CHILD, *path], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        kept_without_release, kept_with_release = map(int, done.stdout.split()[-2:])
+        if kept_without_release > 200:
+            break
+    assert kept_without_release > 200
+    assert kept_with_release < 32

@@ -35,7 +35,7 @@ def plain_token_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", METHODS, ids=str)
 def test_token_logprobs_sum_exactly_and_equal_a_plain_forward(model, cache, method):
-    scorer = Scorer(model, cache, method=method)
+    scorer = Scorer(model, cache, method=method, keep_token_logprobs=True)
     sentence_logprobs = scorer.score().tolist()
     tokens = scorer.token_logprobs()
     rtol = relative_tolerance(torch.float32, cache.device)
@@ -46,11 +46,27 @@ def test_token_logprobs_sum_exactly_and_equal_a_plain_forward(model, cache, meth
         assert agree(torch.tensor(values), reference, torch.ones(len(values)), rtol), (method, s)
 
 
+def test_token_logprobs_are_held_between_evaluations_only_when_asked(model, cache):
+    scorer = Scorer(model, cache)
+    scorer.score()
+    assert scorer._token_cells is None  # a float64 per token is not held until the next evaluation
+    with pytest.raises(RuntimeError, match="keep_token_logprobs=True"):
+        scorer.token_logprobs()
+    scorer.keep_token_logprobs = True
+    scorer.score()
+    assert scorer._token_cells.shape == (sum(cache.lengths) - cache.num_sentences,)
+    assert [len(values) for values in scorer.token_logprobs()] == [n - 1 for n in cache.lengths]
+
+
 def test_a_sentence_is_summed_from_its_cells_left_to_right(model, cache):
     # Float32 log-probs in float64 cells add up exactly in any order; full float64 cells show the order.
-    matrix = torch.randn(cache.num_sentences, 60, dtype=torch.float64)
-    sums = Scorer(model, cache)._readout(matrix).tolist()
-    assert sums == [sum(row) for row in matrix.tolist()]
+    scorer = Scorer(model, cache)
+    cells = torch.randn(sum(cache.lengths) - cache.num_sentences, dtype=torch.float64)
+    sums = scorer._readout(cells).tolist()
+    starts = scorer._cells_of().tolist()
+    rows = [cells[start : start + length - 1].tolist() for start, length in zip(starts, cache.lengths)]
+    assert sums == [sum(row) for row in rows]
+    assert starts[1] == cache.lengths[0] - 1 and sum(map(len, rows)) == len(cells)
 
 
 def test_edit_span_of_each_edit_kind_on_token_ids():

@@ -227,7 +227,6 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     if not find_checkpoints(run_dir) and not options.watch:
         raise SweepError(no_checkpoints_message(run_dir))
     records = read_records(run_dir / RESULTS_FILE)
-    check_same_suites(records, [parse_suite_option(text)[0] for text in options.suite], run_dir / RESULTS_FILE)
     if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
     processes = SweepProcesses()
@@ -241,20 +240,31 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     return report
 
 
-def check_same_suites(records: list[dict[str, Any]], names: list[str], path: Path) -> None:
-    """Refuse to append records scored on other suites than ``names`` to ``path``'s records.
+def check_same_files(records: list[dict[str, Any]], benchmark: Any, suites: dict[str, Any], path: Path) -> None:
+    """Refuse to append records scored on other files than ``benchmark`` and ``suites`` to ``path``'s records.
+
+    A results file holds one benchmark file and one set of suites, each known by its md5: a suite
+    of the same name read from edited files would otherwise mix two suites in one curve.
 
     Raises:
-        SweepError: a record of ``path`` has other suites (by name) than ``names``.
+        SweepError: a record of ``path`` was scored on another TatBLiMP file, or on other suites (by name or md5).
     """
+    asked = {name: suite.md5 for name, suite in suites.items()}
     for record in records:
-        theirs = sorted(record.get("suites", {}))
-        if theirs != sorted(names):
-            had = ", ".join(theirs) or "no suites"
-            asked = ", ".join(sorted(names)) or "no suites"
+        theirs = {name: suite.get("benchmark", {}).get("md5") for name, suite in record.get("suites", {}).items()}
+        if record.get("benchmark", {}).get("md5", benchmark.md5) != benchmark.md5:
             raise SweepError(
-                f"{path}: {record['checkpoint']} was scored with {had}, this sweep asks for {asked}; "
-                "one results file holds one set of suites: pass the same --suite options, or move the file away to start anew"
+                f"{path}: {record['checkpoint']} was scored on the benchmark file with md5 {record['benchmark']['md5']}, "
+                f"this sweep reads {benchmark.source} (md5 {benchmark.md5}); one results file holds one benchmark: "
+                "pass the same --data, or move the file away to start anew"
+            )
+        if theirs != asked:
+            had = ", ".join(f"{name} (md5 {md5})" for name, md5 in sorted(theirs.items())) or "no suites"
+            wanted = ", ".join(f"{name} (md5 {md5})" for name, md5 in sorted(asked.items())) or "no suites"
+            raise SweepError(
+                f"{path}: {record['checkpoint']} was scored with {had}, this sweep asks for {wanted}; "
+                "one results file holds one set of suites: pass the same --suite options and files, "
+                "or move the file away to start anew"
             )
 
 
@@ -267,6 +277,7 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
     report = SweepReport(results_path=results_path, records=records)
     watcher = CheckpointWatcher(run_dir, options.poll_interval)
     scorer = CheckpointScorer(run_dir, options, processes.device(options.device))
+    check_same_files(records, scorer.benchmark, scorer.suites, results_path)
     wandb_logger = _WandbLogger(options, run_dir) if first and (options.wandb_project or options.wandb_run_id) else None
     bar = None
     last_new = time.monotonic()

@@ -19,9 +19,9 @@ token predicts nothing, so it is left out of the rows: a sentence of ``n`` token
 positions. The forced-choice prompts use the same layouts with ``answer_ids``: every token of a
 prompt is an input, and only its last position is read, for the log-prob of each answer token.
 
-Every scored (position, token) also names its cell in a [sequences x slots] matrix: for sentences
-the slot is the token's place in the sentence, for prompts the answer's index. Each cell is written
-once, so the scorer can sum a sentence's tokens in a fixed order, whatever the batching.
+Every scored (position, token) also names its cell: its sequence and its slot there, for sentences
+the token's place in the sentence, for prompts the answer's index. Each cell is written once, so
+the scorer can sum a sentence's tokens in a fixed order, whatever the batching.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -46,7 +47,7 @@ class Batch:
     score_contexts: torch.Tensor  # [t] for each scored token, its context: an index into score_positions
     score_targets: torch.Tensor  # [t] token ids to be predicted
     score_sentences: torch.Tensor  # [t] sentence (or prompt) index of each scored token
-    score_slots: torch.Tensor  # [t] its column in the [sequences x slots] matrix (token place, or answer index)
+    score_slots: torch.Tensor  # [t] its place among its sequence's cells (token place, or answer index)
 
     @property
     def num_positions(self) -> int:
@@ -86,6 +87,27 @@ class Batches(Sequence):
         return [len(rows) * width for rows, width in self.groups]
 
 
+class TokenSequences(Sequence):
+    """A cache's sequences on the host, compact: one int32 array and the offsets; a sequence is a list when read.
+
+    The scorer keeps these for its layouts' batches: 4 bytes a token, where lists of Python ints take
+    about ten times as much (125 MiB for TatBLiMP and all of BLiMP).
+    """
+
+    def __init__(self, token_ids: torch.Tensor, offsets: torch.Tensor):
+        self.ids = token_ids.cpu().numpy().astype(np.int32)
+        self.offsets = offsets.cpu().numpy().astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> list[int]:
+        return self.ids[self.offsets[index] : self.offsets[index + 1]].tolist()
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
 @dataclass
 class Layout:
     """All batches of one evaluation, plus what it costs in padding and saves by sharing."""
@@ -108,6 +130,7 @@ class Layout:
 
 
 LAYOUTS = ("tree", "packed", "padded")
+COMPARED_AT_ONCE = 8192  # sorted sequences compared with their neighbours at a time when laying out trees
 
 
 def pack_rows(lengths: list[int], row_length: int) -> list[list[int]]:
@@ -129,26 +152,46 @@ def pack_rows(lengths: list[int], row_length: int) -> list[list[int]]:
     return rows
 
 
-def tree_rows(sequences: list[list[int]], row_length: int) -> list[list[int]]:
+def tree_rows(sequences: Sequence[list[int]], row_length: int) -> list[list[int]]:
     """Indices into ``sequences`` per row, in sorted order, each row's prefix tree at most ``row_length`` nodes.
 
     In sorted order a sequence shares the most leading tokens with the one just before it, so the
     tree grows by the tokens after that common prefix.
     """
+    lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
+    matrix = np.full((len(sequences), int(lengths.max(initial=0))), -1, dtype=np.int64)
+    for index, sequence in enumerate(sequences):
+        matrix[index, : len(sequence)] = sequence
+    return _tree_rows(matrix, lengths, row_length)[0]
+
+
+def _tree_rows(matrix: np.ndarray, lengths: np.ndarray, row_length: int) -> tuple[list[list[int]], int]:
+    """``tree_rows`` of the sequences padded with -1 into ``matrix`` [sequences x longest], and the nodes of all rows.
+
+    Sorted as lists sort (a shorter sequence before the longer ones it starts; -1 is below any token
+    id), equal sequences by index; the common prefixes of neighbours are computed for all at once.
+    """
+    too_long = np.flatnonzero(lengths > row_length)
+    if len(too_long):
+        raise ValueError(f"sentence {too_long[0]} has {lengths[too_long[0]]} tokens, more than a row of {row_length}")
+    order = np.lexsort((np.arange(len(lengths)), *matrix.T[::-1]))
+    common = np.zeros(len(order), dtype=np.int64)  # tokens each shares with the one before it
+    for start in range(1, len(order), COMPARED_AT_ONCE):  # in slices: no sorted copy of the whole matrix
+        current = matrix[order[start : start + COMPARED_AT_ONCE]]
+        previous = matrix[order[start - 1 : start - 1 + len(current)]]
+        same = (current == previous) & (current >= 0)
+        common[start : start + len(current)] = np.logical_and.accumulate(same, axis=1).sum(axis=1)
     rows: list[list[int]] = []
-    size, previous = 0, []
-    for index in sorted(range(len(sequences)), key=lambda i: (sequences[i], i)):
-        sequence = sequences[index]
-        if len(sequence) > row_length:
-            raise ValueError(f"sentence {index} has {len(sequence)} tokens, more than a row of {row_length}")
-        new = len(sequence) - _common_prefix_length(sequence, previous)
+    size = nodes = 0
+    for index, length, shared in zip(order.tolist(), lengths[order].tolist(), common.tolist()):
+        new = length - shared
         if not rows or size + new > row_length:
+            nodes += size
             rows.append([])
-            size, new = 0, len(sequence)
+            size, new = 0, length
         rows[-1].append(index)
         size += new
-        previous = sequence
-    return rows
+    return rows, nodes + size
 
 
 def token_lists(cache) -> list[list[int]]:
@@ -179,10 +222,12 @@ def build_layout(
     attention wants it.
     """
     chosen = list(range(len(sequences)) if chosen is None else chosen)
-    inputs = {s: len(sequences[s]) - (0 if answer_ids else 1) for s in chosen}
+    all_lengths = sequences.lengths() if isinstance(sequences, TokenSequences) else [len(ids) for ids in sequences]
+    inputs = {s: int(all_lengths[s]) - (0 if answer_ids else 1) for s in chosen}
     row_length = max(row_length, max(inputs.values()))
     if kind == "tree":
-        rows = [[chosen[i] for i in row] for row in tree_rows([sequences[s][: inputs[s]] for s in chosen], row_length)]
+        tree, used = _tree_rows(_input_matrix(sequences, chosen, inputs), np.array([inputs[s] for s in chosen]), row_length)
+        rows = [[chosen[i] for i in row] for row in tree]
         widths = [row_length] * len(rows)
     elif kind == "packed":
         rows = [[chosen[i] for i in row] for row in pack_rows([inputs[s] for s in chosen], row_length)]
@@ -206,7 +251,8 @@ def build_layout(
         total += (end - start) * width
         start = end
     options = dict(pad_id=pad_id, kind=kind, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device)
-    used = sum(_used_positions(row, sequences, kind, inputs) for row in rows)
+    if kind != "tree":
+        used = sum(inputs.values())
     return Layout(
         kind=kind,
         batches=Batches(groups, sequences, options),
@@ -294,25 +340,21 @@ def _tree_mask(parents: torch.Tensor, depth_most: int) -> torch.Tensor:
     return tree
 
 
-def _used_positions(row: list[int], sequences, kind: str, inputs: dict[int, int]) -> int:
-    """Positions a row fills: its inputs, or in a tree its distinct prefixes (its sequences are in sorted order)."""
-    if kind != "tree":
-        return sum(inputs[s] for s in row)
-    used, previous = 0, []
-    for s in row:
-        current = sequences[s][: inputs[s]]
-        used += len(current) - _common_prefix_length(current, previous)
-        previous = current
-    return used
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
+def _input_matrix(sequences, chosen: list[int], inputs: dict[int, int]) -> np.ndarray:
+    """The chosen sequences' inputs, one a row, padded with -1: [chosen x longest input]."""
+    widest = max(inputs.values())
+    if isinstance(sequences, TokenSequences):  # gathered from the flat array, no list per sequence
+        starts = sequences.offsets[chosen]
+        lengths = np.array([inputs[s] for s in chosen], dtype=np.int64)
+        # The flat index of every input token, row after row: each row's start, plus 0, 1, ... within the row.
+        flat = np.arange(lengths.sum()) + np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+        matrix = np.full((len(chosen), widest), -1, dtype=np.int32)
+        matrix[np.arange(widest) < lengths[:, None]] = sequences.ids[flat]
+        return matrix
+    matrix = np.full((len(chosen), widest), -1, dtype=np.int64)
+    for row, s in enumerate(chosen):
+        matrix[row, : inputs[s]] = sequences[s][: inputs[s]]
+    return matrix
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:

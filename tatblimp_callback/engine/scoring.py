@@ -3,11 +3,11 @@
 The scorer runs the model's body once per batch of rows (prefix trees, so that sequences which
 start alike share those positions), keeps the hidden states of the positions it reads, and turns
 them into log-probs through the LM head tile by tile (``tiled_head``). Each log-prob lands in its
-own cell of a [sequences x slots] matrix, which is then read out:
+own cell (one per scored token, or per answer), which are then read out:
 
-- sentences (the log-prob protocol): every next token is read, and a sentence's log-prob is its
-  row's sum, added in a fixed order (so ties, and "the same numbers as one process", hold on any
-  device);
+- sentences (the log-prob protocol): every next token is read, and a sentence's log-prob is the
+  sum of its cells, added in a fixed order (so ties, and "the same numbers as one process", hold
+  on any device);
 - prompts (forced choice): only the last position is read, for each answer token's log-prob.
 
 Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers
@@ -27,6 +27,7 @@ from . import distributed
 from .memory_budget import (
     default_memory_budget,
     positions_per_forward,
+    release_freed_memory,
     retry_out_of_memory,
 )
 from .model_checks import (
@@ -39,7 +40,7 @@ from .model_checks import (
     unwrap_model,
     weight_fingerprint,
 )
-from .packing import Batch, Layout, build_layout, token_lists
+from .packing import Batch, Layout, TokenSequences, build_layout
 from .scoring_method import (
     RecheckSchedule,
     ScoringMethod,
@@ -77,6 +78,9 @@ class Scorer:
             None chooses the fastest that matches a plain forward, and checks it again later.
         truncate: cut sentences longer than the model's context instead of raising; the number
             cut is reported.
+        keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs``
+            (one float64 a scored token, on the cache's device, until the next ``score()``); off,
+            nothing is held between evaluations.
 
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the
@@ -100,6 +104,7 @@ class Scorer:
         row_length: int = DEFAULT_ROW_LENGTH,
         method: ScoringMethod | str | None = None,
         truncate: bool = False,
+        keep_token_logprobs: bool = False,
     ):
         self.model = model
         self.lm = unwrap_model(model)
@@ -126,13 +131,15 @@ class Scorer:
         self._recheck = RecheckSchedule()
         self._reads_positions: dict[str, bool] = {}  # layout -> whether the forward reads its position ids
         self._layouts: dict[tuple, Layout] = {}
-        self._sequences: list[list[int]] | None = None  # the cache's token ids as host lists
+        self._sequences: TokenSequences | None = None  # the cache's token ids on the host
         self.oom_retries = 0
         self.method_replacements = 0  # methods that failed a later check and were replaced
         self._built_dtype = self._dtype()
-        # The latest evaluation's [sequences x slots] log-prob matrix (sentences only), on the scoring
-        # device: every token's log-prob, kept at no cost (``token_logprobs``).
-        self._token_matrix: torch.Tensor | None = None
+        self.keep_token_logprobs = keep_token_logprobs
+        # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
+        # device: every token's log-prob (``token_logprobs``).
+        self._token_cells: torch.Tensor | None = None
+        self._cell_starts: torch.Tensor | None = None  # each sequence's first cell (``_cells_of``)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -153,7 +160,8 @@ class Scorer:
         out-of-memory the memory budget is halved and the evaluation retried, down to a floor
         (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller
         budget. Sequences that come out NaN or inf are scored again on rows of their own, so that
-        one diverged sequence does not spread to the others of its row.
+        one diverged sequence does not spread to the others of its row. On a CPU the memory the
+        evaluation freed is handed back to the system at its end (``memory_budget.release_freed_memory``).
 
         Returns:
             Float64 log-probs on the CPU: ``[sentences]``, or ``[prompts, answers]`` for forced-choice prompts.
@@ -170,6 +178,7 @@ class Scorer:
                 return retry_out_of_memory(self, lambda: self._attempt(sequences))
         finally:
             self.model.train(was_training)
+            release_freed_memory(self.cache.device)
 
     def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
         if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
@@ -177,24 +186,31 @@ class Scorer:
             logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
             self.method = ScoringMethod(self.method.layout, "full_logits")
         self._check_method_when_due()  # its sample is laid out within the budget too
-        matrix = self._score_matrix(self.method, sequences, split=True, keep_layout=True)
-        self._token_matrix = None if self.cache.answer_ids else matrix
-        return self._readout(matrix).cpu()
+        self._token_cells = None  # freed before this evaluation's own cells are made
+        cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
+        if self.keep_token_logprobs and not self.cache.answer_ids:
+            self._token_cells = cells
+        return self._readout(cells).cpu()
 
     def token_logprobs(self) -> list[list[float]]:
-        """Every scored token's log-prob from the latest ``score()``, per sentence in cache order.
+        """Every scored token's log-prob from the latest ``score()`` (with ``keep_token_logprobs``), per sentence in cache order.
 
         Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in
         token order; they are the cells the sentence's log-prob is summed from, so Python's
         ``sum()`` of a sentence's list equals ``score()[s]`` exactly.
 
         Raises:
-            RuntimeError: nothing scored yet, or the cache holds forced-choice prompts.
+            RuntimeError: nothing scored yet, the scorer was made without ``keep_token_logprobs``, or the
+                cache holds forced-choice prompts.
         """
-        if self._token_matrix is None:
-            raise RuntimeError("no token log-probs: score() the sentences first (forced-choice prompts have none)")
-        rows = self._token_matrix.cpu().double().tolist()
-        return [row[: length - 1] for row, length in zip(rows, self.cache.lengths)]
+        if self._token_cells is None:
+            raise RuntimeError(
+                "no token log-probs: score() the sentences first with Scorer(..., keep_token_logprobs=True) "
+                "(forced-choice prompts have none)"
+            )
+        cells = self._token_cells.cpu().double().tolist()
+        starts = self._cells_of().tolist()
+        return [cells[start : start + length - 1] for start, length in zip(starts, self.cache.lengths)]
 
     def layout(self, kind: str | None = None, sequences: range | list[int] | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen method's) and ``sequences`` (default: all), built once per budget."""
@@ -230,7 +246,7 @@ class Scorer:
         if key in self._layouts:
             return self._layouts[key]
         if self._sequences is None:
-            self._sequences = token_lists(self.cache)
+            self._sequences = TokenSequences(self.cache.token_ids, self.cache.offsets)
         layout = build_layout(
             self._sequences,
             method.layout,
@@ -246,57 +262,82 @@ class Scorer:
             self._layouts[key] = layout
         return layout
 
-    def _score_matrix(
+    def _score_cells(
         self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
     ) -> torch.Tensor:
-        """[sequences x slots] log-probs, each cell written once (zeros where nothing is read).
+        """The log-prob of every scored token (sentences) or answer (prompts), one cell each, written once
+        (zeros where nothing is read): sequence ``s``'s cells start at ``_cells_of()[s]``, in token (or answer) order.
 
-        Across processes (``split``, default: all sequences) the batches are dealt out and the matrices
+        Across processes (``split``, default: all sequences) the batches are dealt out and the cells
         added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
         check's sample) every process runs them all. A filler batch only keeps a sharded model's forward
         calls in step. Each batch is built when it is read and freed before the next.
         """
         device = self.cache.device
-        answers = len(self.cache.answer_ids)
-        slots = answers or max(self.cache.lengths) - 1
+        starts = self._cells_of()
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        matrix = torch.zeros((self.cache.num_sentences, slots), dtype=dtype, device=device)
+        cells = torch.zeros(self._cell_count(), dtype=dtype, device=device)
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
             logprobs = self._batch_logprobs(batch, method.head).to(dtype)
             if not is_filler:
-                matrix[batch.score_sentences, batch.score_slots] = logprobs
+                cells[starts[batch.score_sentences] + batch.score_slots] = logprobs
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
-        matrix = distributed.sum_over_processes(matrix) if split else matrix
+        cells = distributed.sum_over_processes(cells) if split else cells
         if method.layout != "padded":
-            matrix = self._rescore_non_finite(matrix, method.head)
-        return matrix
+            cells = self._rescore_non_finite(cells, method.head)
+        return cells
 
-    def _rescore_non_finite(self, matrix: torch.Tensor, head: str) -> torch.Tensor:
+    def _cells_of(self) -> torch.Tensor:
+        """Each sequence's first cell: a sentence of n tokens has n - 1 cells (its scored tokens), a prompt one per answer."""
+        if self._cell_starts is None:
+            count = self.cache.num_sentences
+            if self.cache.answer_ids:
+                starts = torch.arange(count) * len(self.cache.answer_ids)
+            else:  # the tokens before sentence s, less one prefix token for each
+                starts = self.cache.offsets[:-1].cpu() - torch.arange(count)
+            self._cell_starts = starts.to(self.cache.device)
+        return self._cell_starts
+
+    def _cell_count(self) -> int:
+        answers = len(self.cache.answer_ids)
+        return self.cache.num_sentences * answers if answers else int(self.cache.offsets[-1]) - self.cache.num_sentences
+
+    def _cell_owners(self) -> torch.Tensor:
+        """The sequence of each cell."""
+        widths = torch.diff(torch.cat([self._cells_of(), self._cells_of().new_tensor([self._cell_count()])]))
+        return torch.repeat_interleave(torch.arange(len(widths), device=widths.device), widths)
+
+    def _rescore_non_finite(self, cells: torch.Tensor, head: str) -> torch.Tensor:
         """Score again, one sequence a row, the sequences with a NaN or inf log-prob.
 
         A NaN in one sequence of a packed or tree row spreads to the row's other sequences (masked
         attention weights are zero, but zero times NaN is NaN), so only a row of its own tells
         which sequences are really non-finite.
         """
-        bad = (~torch.isfinite(matrix)).any(1).nonzero().flatten().tolist()
-        if bad:
-            matrix[bad] = self._score_matrix(ScoringMethod("padded", head), bad)[bad]
-        return matrix
+        if torch.isfinite(cells).all():
+            return cells
+        owners = self._cell_owners()
+        bad = owners[~torch.isfinite(cells)].unique().tolist()
+        theirs = torch.isin(owners, torch.tensor(bad, device=owners.device))
+        cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad)[theirs]
+        return cells
 
-    def _readout(self, matrix: torch.Tensor) -> torch.Tensor:
-        """Sentences: each row's sum; prompts: the answers' log-probs as they are.
+    def _readout(self, cells: torch.Tensor) -> torch.Tensor:
+        """Sentences: the sum of each one's cells; prompts: the answers' log-probs, [prompts, answers].
 
-        A row is added up cell by cell from the left, as Python's ``sum()`` adds a list, so a
-        sentence's log-prob is exactly the sum of its tokens' (``token_logprobs``) on any device;
-        the cells past a sentence's end are zeros, which change no sum.
+        A sentence is added up cell by cell from the left, as Python's ``sum()`` adds a list, so its
+        log-prob is exactly the sum of its tokens' (``token_logprobs``) on any device.
         """
         if self.cache.answer_ids:
-            return matrix
-        total = torch.zeros(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
-        for column in matrix.unbind(1):
-            total += column
+            return cells.view(self.cache.num_sentences, len(self.cache.answer_ids))
+        starts = self._cells_of()
+        widths = torch.tensor(self.cache.lengths, device=cells.device) - 1
+        total = torch.zeros(len(starts), dtype=cells.dtype, device=cells.device)
+        for slot in range(int(widths.max()) if len(widths) else 0):
+            has = (widths > slot).nonzero().flatten()
+            total[has] += cells[starts[has] + slot]
         return total
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
@@ -378,7 +419,7 @@ class Scorer:
         return method
 
     def _matches(self, method: ScoringMethod, sample: list[int], reference: torch.Tensor) -> bool:
-        values = self._readout(self._score_matrix(method, sample))[sample]
+        values = self._readout(self._score_cells(method, sample))[sample]
         if self.cache.answer_ids:
             tokens = torch.ones_like(reference)
         else:
