@@ -336,8 +336,9 @@ class Scorer:
         widths = torch.tensor(self.cache.lengths, device=cells.device) - 1
         total = torch.zeros(len(starts), dtype=cells.dtype, device=cells.device)
         for slot in range(int(widths.max()) if len(widths) else 0):
-            has = (widths > slot).nonzero().flatten()
-            total[has] += cells[starts[has] + slot]
+            # A sentence that has ended adds 0, which changes no sum (and no device sync is needed to skip it).
+            values = cells[(starts + slot).clamp(max=len(cells) - 1)]
+            total += torch.where(widths > slot, values, torch.zeros_like(values))
         return total
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
