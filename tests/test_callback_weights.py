@@ -125,3 +125,26 @@ def test_a_context_shorter_than_a_sentence_is_said_once_then_counted(bpe_tokeniz
     with_traceback = [r.getMessage() for r in caplog.records if "Traceback" in r.getMessage()]
     assert len(with_traceback) == 1 and "cannot score this model" in with_traceback[0] and "truncate=True" in with_traceback[0]
     assert sum("(as before)" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_an_error_that_comes_back_after_a_success_gets_its_traceback_again(
+    bpe_tokenizer, small_data, tmp_path, caplog, monkeypatch
+):
+    from tatblimp_callback import Evaluator
+
+    real_call, calls = Evaluator.__call__, []
+
+    def fails_at_steps_0_and_4(self, model, *args, **kwargs):  # evaluations 1 and 3 of 0, 2, 4
+        calls.append(1)
+        if len(calls) in (1, 3):
+            raise RuntimeError("the disk is full")
+        return real_call(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(Evaluator, "__call__", fails_at_steps_0_and_4)
+    cb = callback(small_data, eval_steps=2)
+    with caplog.at_level(logging.ERROR):
+        make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, [cb], max_steps=4).train()
+    assert cb.failures == 2 and [h["step"] for h in cb.history] == [2]
+    with_traceback = [r.getMessage() for r in caplog.records if "Traceback" in r.getMessage()]
+    assert len(with_traceback) == 2 and all("RuntimeError: the disk is full" in text for text in with_traceback)
+    assert not any("(as before)" in r.getMessage() for r in caplog.records)

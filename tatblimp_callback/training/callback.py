@@ -375,7 +375,7 @@ class TatBLiMPCallback(TrainerCallback):
             if self.raise_on_error:
                 raise
             what = f"cannot score this model; every evaluation will fail and be counted in {self.log_prefix}/failures"
-            self._errors.failed(what, error)
+            self._errors.failed(what, error, source=evaluator)  # each evaluation's failure then says "as before"
 
     def _finish(self, args, state) -> None:
         """The end of training: acquisition steps, and the wandb table and summary."""
@@ -467,13 +467,15 @@ class TatBLiMPCallback(TrainerCallback):
     def _guarded(self, function, *arguments):
         """Run ``function``; unless ``raise_on_error``, log and count an exception and return None."""
         try:
-            return function(*arguments)
+            result = function(*arguments)
         except Exception as error:
             if self.raise_on_error:
                 raise
             self.failures += 1
-            self._errors.failed(f"scoring failed (failure {self.failures}); training continues", error)
+            self._errors.failed(f"scoring failed (failure {self.failures}); training continues", error, source=function)
             return None
+        self._errors.succeeded(function)
+        return result
 
     def _log(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
         """One evaluation, once, to every destination (see ``reporting``)."""

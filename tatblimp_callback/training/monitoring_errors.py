@@ -3,6 +3,8 @@ for ``raise_on_error``), and the random number generators left as they were.
 
 An error is logged with its traceback the first time; the same error again (a setting that cannot change,
 such as a context shorter than the longest sentence) gets one line per evaluation, not another traceback.
+After a success of the same step (scoring, a reporter), an error that comes back is news: it gets its
+traceback again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,21 +23,26 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorLog:
-    """Logs the exception being handled: with its traceback when it differs from the last one logged, else in one line."""
+    """Logs the exception being handled: with its traceback when it differs from the last one of its source, else in one line."""
 
     def __init__(self):
-        self.last: str | None = None  # "Type: message" of the last error logged with its traceback
+        self.last: dict[Any, str] = {}  # source -> "Type: message" of its last error, until it succeeds
 
-    def failed(self, what: str, error: BaseException) -> None:
-        """Log ``error`` (the exception being handled); ``what`` says what failed and what happens now."""
+    def failed(self, what: str, error: BaseException, source: Any = None) -> None:
+        """Log ``error`` (the exception being handled); ``what`` says what failed and what happens now;
+        ``source``: what raised it (a function), whose errors are compared with each other."""
         text = f"{type(error).__name__}: {error}"
-        if text == self.last:
+        if text == self.last.get(source):
             logger.error("tatblimp: %s: %s (as before)", what, text)
             return
-        self.last = text
+        self.last[source] = text
         # The traceback goes in as text: a record holding exc_info would keep the failed
         # evaluation's frames, and every tensor they reference, alive in any handler that stores records.
         logger.error("tatblimp: %s\n%s", what, traceback.format_exc())
+
+    def succeeded(self, source: Any = None) -> None:
+        """``source`` worked: its next error is logged with its traceback, even if it is the last one again."""
+        self.last.pop(source, None)
 
 
 @contextmanager
