@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 
@@ -268,6 +269,18 @@ def test_bad_files_are_named(tmp_path):
     (tmp_path / "y.jsonl").write_text(json.dumps(result(0.5, {"p": 0.5}, step=1)) + "\n{oops\n")
     with pytest.raises(CompareError, match=r"y.jsonl:2: neither a results JSON"):
         load_run(tmp_path / "y.jsonl")
+
+
+def test_a_sweep_being_written_is_read_up_to_its_last_complete_line(tmp_path, caplog):
+    path = tmp_path / "tatblimp.jsonl"
+    complete = "".join(json.dumps(result(0.5, {"p": v}, step=s)) + "\n" for s, v in ((100, 0.3), (200, 0.6)))
+    partial = json.dumps(result(0.5, {"p": 0.9}, step=300))[:40]
+    path.write_text(complete + partial)
+    with caplog.at_level(logging.WARNING):
+        run = load_run(path)
+    assert [r["step"] for r in run.records] == [100, 200] and run.record["step"] == 200
+    assert "tatblimp.jsonl:3 is a partial line" in caplog.text
+    assert path.read_text() == complete + partial  # another process is writing it: not cut
 
 
 def test_cli_compare_writes_markdown_json_and_plot(two_runs, tmp_path, capsys):

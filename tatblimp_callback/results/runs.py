@@ -6,6 +6,7 @@ one step (a sweep's last, or the one picked with ``PATH@STEP`` / ``--step``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import Any
 from ..reading.jsonl import split_lines
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
 from .stats import Outcomes
+
+logger = logging.getLogger(__name__)
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
 
@@ -108,13 +111,19 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
 
 
 def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
+    """The records of a JSONL file; a last line still being written (no ``"\n"`` yet, not valid JSON) is left
+    out with a warning, and the file is not touched: a sweep or a training run may be appending to it."""
     records = []
-    for number, line in enumerate(split_lines(text), start=1):
+    lines = split_lines(text)
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                logger.warning("tatblimp: %s:%d is a partial line (still being written?); left out", path, number)
+                continue
             raise CompareError(f"{path}:{number}: neither a results JSON file nor a JSONL line ({err.msg})") from None
         _check_record(record, f"{path}:{number}")
         if "step" not in record:
