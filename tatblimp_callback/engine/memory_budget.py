@@ -111,5 +111,5 @@ def release_freed_memory(device: torch.device) -> None:
 def _malloc_trim():
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl, Windows)
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl; Windows has no CDLL(None))
         return None
