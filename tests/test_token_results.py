@@ -63,7 +63,7 @@ def test_a_sentence_is_summed_from_its_cells_left_to_right(model, cache):
     scorer = Scorer(model, cache)
     cells = torch.randn(sum(cache.lengths) - cache.num_sentences, dtype=torch.float64)
     sums = scorer._readout(cells).tolist()
-    starts = scorer._cells_of().tolist()
+    starts = scorer._cell_layout()[1].tolist()
     rows = [cells[start : start + length - 1].tolist() for start, length in zip(starts, cache.lengths)]
     assert sums == [sum(row) for row in rows]
     assert starts[1] == cache.lengths[0] - 1 and sum(map(len, rows)) == len(cells)

@@ -102,9 +102,8 @@ def release_freed_memory(device: torch.device) -> None:
     activations) mapped for reuse, so without this a training process would carry hundreds of MiB
     of an evaluation's freed memory until its next one. Nothing happens on another allocator.
     """
-    trim = _malloc_trim()
-    if device.type == "cpu" and trim is not None:
-        trim(0)
+    if device.type == "cpu" and _malloc_trim() is not None:
+        _malloc_trim()(0)
 
 
 @functools.cache

@@ -26,7 +26,6 @@ the scorer can sum a sentence's tokens in a fixed order, whatever the batching.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +97,14 @@ class TokenSequences(Sequence):
         self.ids = token_ids.cpu().numpy().astype(np.int32)
         self.offsets = offsets.cpu().numpy().astype(np.int64)
 
+    @classmethod
+    def of(cls, sequences: Sequence[list[int]]) -> TokenSequences:
+        """``sequences`` as they are if they are ``TokenSequences``, else (lists of ids) packed into one."""
+        if isinstance(sequences, TokenSequences):
+            return sequences
+        lengths = torch.tensor([0] + [len(ids) for ids in sequences], dtype=torch.long)
+        return cls(torch.tensor([t for ids in sequences for t in ids], dtype=torch.long), lengths.cumsum(0))
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -158,11 +165,9 @@ def tree_rows(sequences: Sequence[list[int]], row_length: int) -> list[list[int]
     In sorted order a sequence shares the most leading tokens with the one just before it, so the
     tree grows by the tokens after that common prefix.
     """
-    lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
-    matrix = np.full((len(sequences), int(lengths.max(initial=0))), -1, dtype=np.int64)
-    for index, sequence in enumerate(sequences):
-        matrix[index, : len(sequence)] = sequence
-    return _tree_rows(matrix, lengths, row_length)[0]
+    sequences = TokenSequences.of(sequences)
+    lengths = sequences.lengths()
+    return _tree_rows(_input_matrix(sequences, list(range(len(lengths))), lengths), lengths, row_length)[0]
 
 
 def _tree_rows(matrix: np.ndarray, lengths: np.ndarray, row_length: int) -> tuple[list[list[int]], int]:
@@ -194,12 +199,6 @@ def _tree_rows(matrix: np.ndarray, lengths: np.ndarray, row_length: int) -> tupl
     return rows, nodes + size
 
 
-def token_lists(cache) -> list[list[int]]:
-    """Each sequence of a cache (anything with flat ``token_ids`` and ``offsets``) as a host list."""
-    ids, offsets = cache.token_ids.tolist(), cache.offsets.tolist()
-    return [ids[start:end] for start, end in itertools.pairwise(offsets)]
-
-
 def build_layout(
     sequences: list[list[int]],
     kind: str,
@@ -221,12 +220,13 @@ def build_layout(
     attend), or additive in this floating dtype (0 or its most negative value), as the model's
     attention wants it.
     """
+    sequences = TokenSequences.of(sequences)
     chosen = list(range(len(sequences)) if chosen is None else chosen)
-    all_lengths = sequences.lengths() if isinstance(sequences, TokenSequences) else [len(ids) for ids in sequences]
-    inputs = {s: int(all_lengths[s]) - (0 if answer_ids else 1) for s in chosen}
+    chosen_inputs = sequences.lengths()[chosen] - (0 if answer_ids else 1)
+    inputs = dict(zip(chosen, chosen_inputs.tolist()))
     row_length = max(row_length, max(inputs.values()))
     if kind == "tree":
-        tree, used = _tree_rows(_input_matrix(sequences, chosen, inputs), np.array([inputs[s] for s in chosen]), row_length)
+        tree, used = _tree_rows(_input_matrix(sequences, chosen, chosen_inputs), chosen_inputs, row_length)
         rows = [[chosen[i] for i in row] for row in tree]
         widths = [row_length] * len(rows)
     elif kind == "packed":
@@ -340,20 +340,12 @@ def _tree_mask(parents: torch.Tensor, depth_most: int) -> torch.Tensor:
     return tree
 
 
-def _input_matrix(sequences, chosen: list[int], inputs: dict[int, int]) -> np.ndarray:
-    """The chosen sequences' inputs, one a row, padded with -1: [chosen x longest input]."""
-    widest = max(inputs.values())
-    if isinstance(sequences, TokenSequences):  # gathered from the flat array, no list per sequence
-        starts = sequences.offsets[chosen]
-        lengths = np.array([inputs[s] for s in chosen], dtype=np.int64)
-        # The flat index of every input token, row after row: each row's start, plus 0, 1, ... within the row.
-        flat = np.arange(lengths.sum()) + np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
-        matrix = np.full((len(chosen), widest), -1, dtype=np.int32)
-        matrix[np.arange(widest) < lengths[:, None]] = sequences.ids[flat]
-        return matrix
-    matrix = np.full((len(chosen), widest), -1, dtype=np.int64)
-    for row, s in enumerate(chosen):
-        matrix[row, : inputs[s]] = sequences[s][: inputs[s]]
+def _input_matrix(sequences: TokenSequences, chosen: list[int], inputs: np.ndarray) -> np.ndarray:
+    """The first ``inputs[i]`` tokens of each chosen sequence, one a row, padded with -1: [chosen x longest input]."""
+    # The flat index of every input token, row after row: each row's start, plus 0, 1, ... within the row.
+    flat = np.arange(inputs.sum()) + np.repeat(sequences.offsets[chosen] - np.cumsum(inputs) + inputs, inputs)
+    matrix = np.full((len(chosen), int(inputs.max(initial=0))), -1, dtype=np.int32)
+    matrix[np.arange(matrix.shape[1]) < inputs[:, None]] = sequences.ids[flat]
     return matrix
 
 

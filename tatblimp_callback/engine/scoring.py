@@ -139,7 +139,11 @@ class Scorer:
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
-        self._cell_starts: torch.Tensor | None = None  # each sequence's first cell (``_cells_of``)
+        # Each sequence's number of cells and its first cell, on the cache's device, and the number of
+        # cells: made once (``_cell_layout``).
+        self._cell_widths: torch.Tensor | None = None
+        self._cell_starts: torch.Tensor | None = None
+        self._cell_total = 0
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -209,7 +213,7 @@ class Scorer:
                 "(forced-choice prompts have none)"
             )
         cells = self._token_cells.cpu().double().tolist()
-        starts = self._cells_of().tolist()
+        starts = self._cell_layout()[1].tolist()
         return [cells[start : start + length - 1] for start, length in zip(starts, self.cache.lengths)]
 
     def layout(self, kind: str | None = None, sequences: range | list[int] | None = None) -> Layout:
@@ -266,7 +270,7 @@ class Scorer:
         self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
     ) -> torch.Tensor:
         """The log-prob of every scored token (sentences) or answer (prompts), one cell each, written once
-        (zeros where nothing is read): sequence ``s``'s cells start at ``_cells_of()[s]``, in token (or answer) order.
+        (zeros where nothing is read): sequence ``s``'s cells start at ``_cell_layout()[1][s]``, in token (or answer) order.
 
         Across processes (``split``, default: all sequences) the batches are dealt out and the cells
         added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
@@ -274,9 +278,9 @@ class Scorer:
         calls in step. Each batch is built when it is read and freed before the next.
         """
         device = self.cache.device
-        starts = self._cells_of()
+        _, starts, total = self._cell_layout()
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        cells = torch.zeros(self._cell_count(), dtype=dtype, device=device)
+        cells = torch.zeros(total, dtype=dtype, device=device)
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
@@ -289,24 +293,20 @@ class Scorer:
             cells = self._rescore_non_finite(cells, method.head)
         return cells
 
-    def _cells_of(self) -> torch.Tensor:
-        """Each sequence's first cell: a sentence of n tokens has n - 1 cells (its scored tokens), a prompt one per answer."""
-        if self._cell_starts is None:
-            count = self.cache.num_sentences
-            if self.cache.answer_ids:
-                starts = torch.arange(count) * len(self.cache.answer_ids)
-            else:  # the tokens before sentence s, less one prefix token for each
-                starts = self.cache.offsets[:-1].cpu() - torch.arange(count)
-            self._cell_starts = starts.to(self.cache.device)
-        return self._cell_starts
-
-    def _cell_count(self) -> int:
-        answers = len(self.cache.answer_ids)
-        return self.cache.num_sentences * answers if answers else int(self.cache.offsets[-1]) - self.cache.num_sentences
+    def _cell_layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cells, first cell) of each sequence, and the number of cells: a sentence of n tokens has n - 1 cells
+        (its scored tokens), a prompt one per answer; the cells of all sequences follow each other in cache order."""
+        if self._cell_widths is None:
+            answers = len(self.cache.answer_ids)
+            widths = torch.tensor(self.cache.lengths) - 1 if not answers else torch.full((self.cache.num_sentences,), answers)
+            self._cell_widths = widths.to(self.cache.device)
+            self._cell_starts = (widths.cumsum(0) - widths).to(self.cache.device)
+            self._cell_total = int(widths.sum())
+        return self._cell_widths, self._cell_starts, self._cell_total
 
     def _cell_owners(self) -> torch.Tensor:
         """The sequence of each cell."""
-        widths = torch.diff(torch.cat([self._cells_of(), self._cells_of().new_tensor([self._cell_count()])]))
+        widths = self._cell_layout()[0]
         return torch.repeat_interleave(torch.arange(len(widths), device=widths.device), widths)
 
     def _rescore_non_finite(self, cells: torch.Tensor, head: str) -> torch.Tensor:
@@ -332,10 +332,9 @@ class Scorer:
         """
         if self.cache.answer_ids:
             return cells.view(self.cache.num_sentences, len(self.cache.answer_ids))
-        starts = self._cells_of()
-        widths = torch.tensor(self.cache.lengths, device=cells.device) - 1
+        widths, starts, _ = self._cell_layout()
         total = torch.zeros(len(starts), dtype=cells.dtype, device=cells.device)
-        for slot in range(int(widths.max()) if len(widths) else 0):
+        for slot in range(max(self.cache.lengths, default=1) - 1):
             # A sentence that has ended adds 0, which changes no sum (and no device sync is needed to skip it).
             values = cells[(starts + slot).clamp(max=len(cells) - 1)]
             total += torch.where(widths > slot, values, torch.zeros_like(values))

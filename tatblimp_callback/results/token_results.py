@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..engine.packing import token_lists
+from ..engine.packing import TokenSequences
 
 __all__ = ["PairTokens", "add_token_fields", "edit_margins", "edit_span", "format_edit_margins", "pair_tokens", "token_texts"]
 
@@ -111,7 +111,7 @@ def pair_tokens(cache, token_logprobs: list[list[float]], tokenizer: Any = None)
     """
     if len(token_logprobs) != cache.num_sentences:
         raise ValueError(f"{len(token_logprobs)} token lists for {cache.num_sentences} sentences")
-    sentences = token_lists(cache)
+    sentences = TokenSequences(cache.token_ids, cache.offsets)
     records = []
     for pair in range(cache.num_pairs):
         good_ids, bad_ids = sentences[2 * pair][1:], sentences[2 * pair + 1][1:]
