@@ -90,7 +90,7 @@ class TokenSequences(Sequence):
     """A cache's sequences on the host, compact: one int32 array and the offsets; a sequence is a list when read.
 
     The scorer keeps these for its layouts' batches: 4 bytes a token, where lists of Python ints take
-    about ten times as much (125 MiB for TatBLiMP and all of BLiMP).
+    about ten times as much.
     """
 
     def __init__(self, token_ids: torch.Tensor, offsets: torch.Tensor):
