@@ -144,3 +144,25 @@ def test_what_the_caller_declares_is_checked(bpe_tokenizer, small_data):
         CallableLM(gpt.forward, vocab_size=800, context_length=256, layouts=("flash",))
     with pytest.raises(ValueError, match="hidden_states= with output_embedding="):
         CallableLM(vocab_size=800, context_length=256, hidden_states=gpt.hidden)
+
+
+def test_an_olmo_core_transformer_through_the_callable_route(bpe_tokenizer, small_data, cache):
+    # ai2-olmo-core is not a dependency: its requirements would downgrade huggingface_hub and rich beside
+    # transformers 5. Run with it on PYTHONPATH (pip install --no-deps --target DIR ai2-olmo-core ...).
+    transformer = pytest.importorskip("olmo_core.nn.transformer")
+    torch.manual_seed(0)
+    model = transformer.TransformerConfig.olmo2_1M(vocab_size=len(bpe_tokenizer)).build(init_device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    # Its forward makes its own positions 0, 1, 2, ... along a row: padded rows only.
+    lm = CallableLM(lambda ids, pos: model(ids), module=model, vocab_size=len(bpe_tokenizer), context_length=256)
+    results = Evaluator(bpe_tokenizer, small_data, allow_modified=True)(lm)
+    assert results.run_info["scoring_method"] == "padded rows, full logits"
+    expected = []
+    with torch.no_grad():
+        for s in range(cache.num_sentences):
+            x = torch.tensor([cache.sentence(s)])
+            expected.append(float(model(x)[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None]).sum()))
+    assert (logprobs(results) - torch.tensor(expected, dtype=torch.float64)).abs().max().item() < 1e-4
