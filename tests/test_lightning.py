@@ -193,3 +193,36 @@ def test_the_model_is_found_named_or_refused_clearly(tmp_path, bpe_tokenizer, sm
 def test_importing_the_package_does_not_import_lightning():
     code = "import sys, tatblimp_callback; assert not {'lightning', 'pytorch_lightning'} & set(sys.modules), 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+    from tatblimp_callback import evaluation
+
+    score = evaluation.Evaluator.__call__
+    calls = []
+
+    def fails_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
+    options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
+    callback = TatBLiMPLightningCallback(**options)
+    trainer = fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path / "goes-on", 3, bpe_tokenizer)
+    assert trainer.global_step == 3 and callback.failures == 1
+    assert [e["step"] for e in callback.history] == [0, 2, 3]  # step 1 failed: no point there
+    assert callback.history[-1]["tatblimp/failures"] == 1.0
+    with (tmp_path / "goes-on" / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(int(r["step"]), r["tatblimp/failures"]) for r in rows] == [(0, ""), (1, "1.0"), (2, "1.0"), (3, "1.0")]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="injected"):
+        fit(
+            Wrapped(len(bpe_tokenizer)),
+            TatBLiMPLightningCallback(raise_on_error=True, **options),
+            tmp_path / "raise",
+            3,
+            bpe_tokenizer,
+        )
