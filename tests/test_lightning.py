@@ -226,3 +226,39 @@ def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bp
             3,
             bpe_tokenizer,
         )
+
+
+def test_suites_and_gradient_accumulation_one_row_per_evaluation(tmp_path, bpe_tokenizer, small_data):
+    from conftest import SHARED
+
+    blimp = tmp_path / "passive_1.jsonl"
+    source = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").split("\n")
+    blimp.write_text("\n".join(source[300:330]) + "\n", encoding="utf-8")
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer,
+        data=small_data,
+        allow_modified=True,
+        eval_every_n_steps=2,
+        suites={"blimp": blimp},
+        suite_every=2,
+    )
+    blocks = torch.tensor([b["input_ids"] for b in corpus_blocks(bpe_tokenizer, lines=120)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        accumulate_grad_batches=2,  # two batches end at each global step: still one evaluation per step
+        default_root_dir=str(tmp_path),
+        logger=CSVLogger(str(tmp_path), name="csv"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Wrapped(len(bpe_tokenizer)), DataLoader(blocks, batch_size=2))
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    assert [bool(r["blimp/acc"]) for r in rows] == [True, False, True]  # every 2nd evaluation: the first and the third
+    assert float(rows[2]["blimp/acc"]) == callback.last_results.suites["blimp"].acc
+    suite_lines = list(read_complete_lines(tmp_path / "tatblimp_history.blimp.jsonl"))
+    assert len(suite_lines) == 2
