@@ -262,3 +262,16 @@ def test_suites_and_gradient_accumulation_one_row_per_evaluation(tmp_path, bpe_t
     assert float(rows[2]["blimp/acc"]) == callback.last_results.suites["blimp"].acc
     suite_lines = list(read_complete_lines(tmp_path / "tatblimp_history.blimp.jsonl"))
     assert len(suite_lines) == 2
+
+
+def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bpe_tokenizer, small_data):
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer,
+        data=small_data,
+        allow_modified=True,
+        eval_every_n_steps=2,
+        eval_on_start=False,
+        eval_on_end=False,
+    )
+    fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path, 5, bpe_tokenizer)
+    assert [e["step"] for e in callback.history] == [2, 4]

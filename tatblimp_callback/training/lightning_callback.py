@@ -167,7 +167,7 @@ class TatBLiMPLightningCallback(Callback):
         self._entries = self._restored or []
         self._restored = None
         self._monitor.start_run(self._entries)
-        self._checked_step = trainer.global_step if self._entries else None
+        self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
         if trainer.is_global_zero:
             self._monitor.open_history_files(trainer.default_root_dir)
         tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
