@@ -54,7 +54,9 @@ class ScoringMethod:
 
 def layouts_to_try(lm: torch.nn.Module) -> list[str]:
     """Row layouts, fastest first; prefix trees need an attention that takes a 4D mask."""
-    return list(LAYOUTS) if tree_mask_dtype(lm) else ["packed", "padded"]
+    layouts = list(LAYOUTS) if tree_mask_dtype(lm) else ["packed", "padded"]
+    declared = getattr(lm, "supported_layouts", None)  # a callable model's own word (``callable_model.CallableLM``)
+    return layouts if declared is None else [layout for layout in layouts if layout in declared]
 
 
 def first_matching_method(

@@ -23,7 +23,6 @@ table logged, before the Trainer loads the best checkpoint and its reporters clo
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -31,16 +30,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
-from ..engine import distributed
-from ..engine.model_checks import unwrap_model, weights_label
+from ..chat.forced_choice import ForcedChoiceResults
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
-from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
+from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options, reporting
-from .monitoring_errors import ErrorLog, rng_preserved
-from .suite_schedule import check_suite_options, suite_history_files, suites_due
+from .in_loop import InLoopMonitor
+from .suite_schedule import check_suite_options
 
 logger = logging.getLogger(__name__)
 
@@ -154,40 +151,56 @@ class TatBLiMPCallback(TrainerCallback):
     for all, or ``{name: k}`` (a missing name: every evaluation). TatBLiMP is scored at every evaluation;
     ``suite_every={"blimp": 10}`` keeps a 67,000-pair BLiMP from making every evaluation 54 times longer."""
 
-    history: list[dict[str, float]] = field(default_factory=list, init=False)
-    """One entry per evaluation: ``step`` and the logged metrics."""
-
-    failures: int = field(default=0, init=False)
-    """Evaluations that raised (and were logged instead of raised)."""
-
-    last_results: Results | None = field(default=None, init=False, repr=False)
-    """The latest log-prob results (None before the first evaluation)."""
-
-    last_fc_results: ForcedChoiceResults | None = field(default=None, init=False, repr=False)
-    """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
-
-    acquisition: dict[str, int | None] = field(default_factory=dict, init=False)
-    """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or
-    above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
-    (the string "never" there, since wandb drops None)."""
-
     def __post_init__(self):
         self._every = callback_options.check_eval_steps(self.eval_steps)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         if self.report_file is not None and self.history_file is None:
             raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
-        self._fc_evaluator: ForcedChoiceEvaluator | None = None
-        self._evaluator: Evaluator | None = None
-        self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
-        self._wandb = reporting.WandbSection([self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {})])
-        self._suite_history_files: dict[str, reporting.HistoryFile] = {}
-        self.last_suite_results: dict[str, Results] = {}
+        self._monitor = InLoopMonitor(self)
+        self._wandb = reporting.WandbSection(list(self._monitor.prefixes()))
         self._warned_unreachable = False
         self._started = False  # on_train_begin ran, or an evaluation before train() did its part
-        self._errors = ErrorLog()
         self._start_run([])
+
+    # -- what it keeps --------------------------------------------------------------------------
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """One entry per evaluation: ``step`` and the logged metrics."""
+        return self._monitor.history
+
+    @property
+    def failures(self) -> int:
+        """Evaluations that raised (and were logged instead of raised)."""
+        return self._monitor.failures
+
+    @property
+    def last_results(self) -> Results | None:
+        """The latest log-prob results (None before the first evaluation)."""
+        return self._monitor.last_results
+
+    @property
+    def last_fc_results(self) -> ForcedChoiceResults | None:
+        """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
+        return self._monitor.last_fc_results
+
+    @property
+    def last_suite_results(self) -> dict[str, Results]:
+        """The latest results of each suite, by name."""
+        return self._monitor.last_suite_results
+
+    @property
+    def acquisition(self) -> dict[str, int | None]:
+        """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or
+        above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
+        (the string "never" there, since wandb drops None)."""
+        return self._monitor.acquisition
+
+    @property
+    def _evaluator(self) -> Evaluator | None:
+        return self._monitor.evaluator
 
     @classmethod
     def attach(cls, trainer, **options) -> TatBLiMPCallback:
@@ -226,21 +239,12 @@ class TatBLiMPCallback(TrainerCallback):
         """Find the Trainer, check the settings, open the history file (``history_file``), build the evaluators."""
         self._started = True
         self._trainer = self._running_trainer(state)
-        if not self.eval_on_evaluate and self._is_our_metric(getattr(args, "metric_for_best_model", None)):
+        if not self.eval_on_evaluate and self._monitor.is_our_metric(getattr(args, "metric_for_best_model", None)):
             raise ValueError(
                 f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
             )
         if state.is_world_process_zero and history_file:
-            self._history_file = reporting.HistoryFile.resolve(self.history_file, getattr(args, "output_dir", None))
-            if self._history_file is not None:
-                try:
-                    self._history_file.start({entry["step"] for entry in self.history})
-                except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
-                    logger.warning(
-                        "tatblimp: cannot use the history file %s (%s); none is written in this run", self._history_file.path, err
-                    )
-                    self._history_file = None
-            self._suite_history_files = suite_history_files(self._history_file, self.suites, self.history)
+            self._monitor.open_history_files(getattr(args, "output_dir", None))
         if state.is_world_process_zero:
             missed = reporting.unreachable_reporters(args, self._trainer)
             if missed and not self._warned_unreachable:
@@ -254,7 +258,7 @@ class TatBLiMPCallback(TrainerCallback):
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        self._prepare(tokenizer, model, getattr(args, "output_dir", None))
+        self._monitor.prepare(tokenizer, model, getattr(args, "output_dir", None))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
@@ -274,9 +278,9 @@ class TatBLiMPCallback(TrainerCallback):
         metrics = self._score(args, state, control, model)
         added = {f"eval_{key}": value for key, value in metrics.items()}
         wanted = getattr(args, "metric_for_best_model", None)
-        if self._is_our_metric(wanted) and not wanted.startswith("eval_"):
+        if self._monitor.is_our_metric(wanted) and not wanted.startswith("eval_"):
             wanted = f"eval_{wanted}"
-        if self._is_our_metric(wanted) and not self._has_results(metrics):
+        if self._monitor.is_our_metric(wanted) and not self._monitor.has_results(metrics):
             added[wanted] = float("nan")  # scoring failed: never the best, and training goes on
         logs.update(added)
         if copy is not None:
@@ -298,21 +302,8 @@ class TatBLiMPCallback(TrainerCallback):
 
     def _start_run(self, log_history: list[dict[str, Any]]) -> None:
         """Per-run state, rebuilt from the restored ``log_history`` on resume (empty for a new run)."""
-        ours = [entry for entry in log_history if self._is_ours(entry)]
-        self.history = [{"step": e["step"], **{k: v for k, v in e.items() if k != "step"}} for e in ours if self._has_results(e)]
-        self.failures = int(max((e.get(f"{self.log_prefix}/failures", 0) for e in ours), default=0))
-        self._last_step = ours[-1]["step"] if ours else None
-        self._last_weights: str | None = _RESTORED if ours else None  # the label of the weights tried at _last_step
-        self._last_metrics = {k: v for k, v in ours[-1].items() if k != "step"} if ours else {}
-        # The metrics of every set of weights scored in this run, by weights label: a step is not a set of
-        # weights (load_best_model_at_end loads other weights at the same step). Restored entries have no label.
-        self._by_weights: dict[str, dict[str, float]] = {}
-        self._last_results_weights: str | None = None  # the label of the weights ``last_results`` measured
-        self.last_results = None
-        self.last_fc_results = None
-        self.acquisition = {}
+        self._monitor.start_run(log_history)
         self._finished = False
-        self._history_file = None
         self._trainer = None
         self._wandb.reset()
 
@@ -328,180 +319,39 @@ class TatBLiMPCallback(TrainerCallback):
             return None
         return self.trainer
 
-    def _is_our_metric(self, name: str | None) -> bool:
-        prefixes = (self.log_prefix, f"{self.log_prefix}_fc", *(self.suites or {}))
-        return (name or "").removeprefix("eval_").startswith(tuple(f"{prefix}/" for prefix in prefixes))
-
-    def _is_ours(self, entry: dict[str, Any]) -> bool:
-        return any(key.startswith((f"{self.log_prefix}/", f"{self.log_prefix}_fc/")) for key in entry)
-
-    def _has_results(self, entry: dict[str, Any]) -> bool:
-        return f"{self.log_prefix}/acc" in entry or f"{self.log_prefix}_fc/accuracy" in entry
-
-    def _prepare(self, tokenizer, model, output_dir: str | None = None) -> None:
-        """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same."""
-        if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not self.data:
-            self._prepared_for = (tokenizer, self.data)
-            self._evaluator = self._fc_evaluator = None
-            if self.protocol != "logprob":
-                self._fc_evaluator = ForcedChoiceEvaluator(
-                    tokenizer,
-                    self.data,
-                    prompt=self.forced_choice_prompt or DEFAULT_PROMPT,
-                    allow_modified=self.allow_modified,
-                    memory_budget=self.memory_budget,
-                )
-            if self.protocol != "forced-choice":
-                self._evaluator = Evaluator(
-                    tokenizer,
-                    self.data,
-                    prefix_token_id=self.prefix_token_id,
-                    allow_modified=self.allow_modified,
-                    memory_budget=self.memory_budget,
-                    truncate=self.truncate,
-                    cache_path=callback_options.under_output_dir(self.cache_path, output_dir),
-                    suites=self.suites,
-                )
-        for evaluator in (self._fc_evaluator, self._evaluator):
-            if evaluator is not None:
-                self._prepare_or_say_why(evaluator, model)
-
-    def _prepare_or_say_why(self, evaluator, model) -> None:
-        """Prepare ``evaluator`` now, or say once, with the traceback, why it cannot be; not counted as a failure:
-        each evaluation tries again and counts its own failure (one line when the error is the same)."""
-        try:
-            evaluator.prepare(model)
-        except Exception as error:
-            if self.raise_on_error:
-                raise
-            what = f"cannot score this model; every evaluation will fail and be counted in {self.log_prefix}/failures"
-            self._errors.failed(what, error, source=evaluator)  # each evaluation's failure then says "as before"
-
     def _finish(self, args, state) -> None:
         """The end of training: acquisition steps, and the wandb table and summary."""
         self._finished = True
-        self.acquisition = acquisition_steps(self.history, self.acquisition_threshold, prefix=self.log_prefix)
+        self._monitor.finish()
+        guarded, history_file = self._monitor.guarded, self._monitor.history_file
         wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
-            self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
+            guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
             for name, results in self.last_suite_results.items():
-                self._guarded(self._wandb.log_results, name, results, {})
-        if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
+                guarded(self._wandb.log_results, name, results, {})
+        if self.report_file is not None and history_file is not None and history_file.path.exists():
             output = callback_options.under_output_dir(self.report_file, args.output_dir)
-            self._guarded(
-                reporting.report_at_end_of_training,
-                self._history_file.path,
-                output,
-                f"{self.log_prefix}/report" if wandb else None,
+            guarded(
+                reporting.report_at_end_of_training, history_file.path, output, f"{self.log_prefix}/report" if wandb else None
             )
 
     # -- scoring and logging --------------------------------------------------------------------
 
     def _score(self, args, state, control, model) -> dict[str, float]:
-        """Score the weights the model holds now (once per set of weights, by ``weights_label``) and log them at
-        this global step (once per step); returns their metrics.
+        """Score the model's weights now and log a new point at this global step (see ``InLoopMonitor.score``)."""
 
-        A step is not a set of weights: after ``load_best_model_at_end`` the step is the last one and the
-        weights are the best checkpoint's. Weights scored before give their own numbers again, unscored.
-        """
-        if model is None or (self._evaluator is None and self._fc_evaluator is None):
-            return {}
-        weights = _weights_label_or_none(model)
-        new_step = self._last_step != state.global_step
-        # Tried at this step with these weights already (a resumed run's restored point: its checkpoint's, unlabelled).
-        same = weights is None or self._last_weights in (weights, _RESTORED)
-        if distributed.all_agree(not new_step and same):
-            return self._last_metrics
-        known = self._by_weights.get(weights) if weights is not None else None
-        self._last_step, self._last_weights = state.global_step, weights
-        if distributed.all_agree(known is not None):  # these very weights were scored in this run: their numbers
-            self._last_metrics = known
-            if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too
-                self._record(args, state, control, known, self.last_results if self._last_results_weights == weights else None)
-            return known
-        with rng_preserved():
-            evaluator = self._evaluator
-            if self.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
-                evaluator = functools.partial(evaluator, suites=suites_due(self.suites, self.suite_every, len(self.history)))
-            results = self._guarded(evaluator, model) if evaluator is not None else None
-            fc_results = self._guarded(self._fc_evaluator, model) if self._fc_evaluator is not None else None
-        metrics = {}
-        if results is not None:
-            self.last_results, self._last_results_weights = results, weights
-            metrics = results.flat_metrics(self.log_prefix)
-            if results.non_finite_pairs:
-                logger.warning(
-                    "tatblimp: step %d: %d pairs have non-finite log-probs and are left out of the metrics (%s)",
-                    state.global_step,
-                    results.non_finite_pairs,
-                    ", ".join(name for name, group in results.phenomena.items() if group.non_finite),
-                )
-            metrics[f"{self.log_prefix}/eval_seconds"] = results.run_info["seconds"]
-            for name, suite in results.suites.items():
-                self.last_suite_results[name] = suite
-                metrics.update(suite.flat_metrics(name))
-        if fc_results is not None:
-            self.last_fc_results = fc_results
-            metrics.update(fc_results.flat_metrics(f"{self.log_prefix}_fc"))
-            metrics[f"{self.log_prefix}_fc/eval_seconds"] = fc_results.run_info["seconds"]
-        if self.failures:
-            metrics[f"{self.log_prefix}/failures"] = float(self.failures)
-        self._last_metrics = metrics
-        if weights is not None and self._has_results(metrics):  # a failure may pass (out of memory): tried again
-            self._by_weights[weights] = metrics
-        if new_step:
-            self._record(args, state, control, metrics, results)
-        else:  # other weights at a step already on the curve: this evaluation's metrics only, one point per step
-            logger.info(
-                "tatblimp: step %d scored again for other weights (%s); not a second curve point", state.global_step, weights
-            )
-        return metrics
-
-    def _record(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
-        """The curve point of this step: in ``history``, and logged everywhere (main process)."""
-        if self._has_results(metrics):
-            self.history.append({"step": state.global_step, **metrics})
-        if state.is_world_process_zero and metrics:
+        def publish(step: int, metrics: dict[str, float], results: Results | None) -> None:
             self._log(args, state, control, metrics, results)
 
-    def _guarded(self, function, *arguments):
-        """Run ``function``; unless ``raise_on_error``, log and count an exception and return None."""
-        try:
-            result = function(*arguments)
-        except Exception as error:
-            if self.raise_on_error:
-                raise
-            self.failures += 1
-            self._errors.failed(f"scoring failed (failure {self.failures}); training continues", error, source=function)
-            return None
-        self._errors.succeeded(function)
-        return result
+        return self._monitor.score(model, state.global_step, publish, main=state.is_world_process_zero)
 
     def _log(self, args, state, control, metrics: dict[str, float], results: Results | None) -> None:
-        """One evaluation, once, to every destination (see ``reporting``)."""
-        step = state.global_step
+        """One evaluation, once, to every destination (see ``reporting``): the one place after each evaluation."""
+        step, guarded = state.global_step, self._monitor.guarded
         state.log_history.append({**metrics, "step": step})
         if self._trainer is not None:
-            self._guarded(reporting.log_to_trainer_callbacks, self._trainer, self, args, state, control, metrics)
+            guarded(reporting.log_to_trainer_callbacks, self._trainer, self, args, state, control, metrics)
         if reporting.reports_to_wandb(args, self._trainer):
-            self._guarded(self._wandb.log, metrics, step)
-        if results is not None and self._history_file is not None:
-            self._guarded(self._history_file.append, step, results)
-        for name, suite in (results.suites if results is not None else {}).items():
-            if name in self._suite_history_files:
-                self._guarded(self._suite_history_files[name].append, step, suite)
-        if f"{self.log_prefix}/acc" in metrics or f"{self.log_prefix}_fc/accuracy" in metrics:
-            line = reporting.console_line(step, metrics, self.log_prefix)
-            for name in results.suites if results is not None else ():
-                line += f"  {name} acc_norm {metrics[f'{name}/acc_norm']:.4f}"
-            reporting.print_line(line)
-
-
-_RESTORED = "restored"  # the weights of a resumed run's last restored point: its checkpoint's
-
-
-def _weights_label_or_none(model) -> str | None:
-    try:
-        return weights_label(unwrap_model(model))
-    except Exception:  # weights that cannot be read (meta): the evaluator says why, and counts it
-        return None
+            guarded(self._wandb.log, metrics, step)
+        self._monitor.write_history(step, results)
+        self._monitor.console(step, metrics, results)

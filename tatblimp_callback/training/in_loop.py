@@ -1,0 +1,264 @@
+"""Scoring inside a training loop, whatever the framework: the part the Hugging Face Trainer callback
+(``callback.py``) and the Lightning callback (``lightning_callback.py``) share.
+
+An ``InLoopMonitor`` builds the evaluators once, scores the weights a model holds now (in eval mode,
+the random generators restored), labels each result with the weights it measured (a step is not a set
+of weights), turns a scoring error into a logged, counted failure, keeps the history (rebuilt on
+resume) and its history files, and builds the flat metrics dict. What a framework adds is when to ask
+(``score(model, step, publish)``) and where a new curve point goes: ``publish(step, metrics, results)``,
+called once per point, on the main process only; that call is the one place that runs after each
+evaluation, with the results and the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
+from ..engine import distributed
+from ..engine.model_checks import unwrap_model, weights_label
+from ..evaluation import Evaluator
+from ..results.curves import acquisition_steps
+from ..results.metrics import Results
+from . import callback_options, reporting
+from .monitoring_errors import ErrorLog, rng_preserved
+from .suite_schedule import suite_history_files, suites_due
+
+logger = logging.getLogger(__name__)
+
+Publish = Callable[[int, dict[str, float], "Results | None"], None]
+
+_RESTORED = "restored"  # the weights of a resumed run's last restored point: its checkpoint's
+
+
+class InLoopMonitor:
+    """The state of one callback's scoring: evaluators, history, failures, the weights each point measured.
+
+    ``settings`` is the callback: an object with the scoring options as attributes (``data``, ``protocol``,
+    ``suites``, ``suite_every``, ``prefix_token_id``, ``allow_modified``, ``memory_budget``, ``truncate``,
+    ``cache_path``, ``forced_choice_prompt``, ``log_prefix``, ``raise_on_error``, ``history_file``,
+    ``acquisition_threshold``), read when they are used.
+    """
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.evaluator: Evaluator | None = None
+        self.fc_evaluator: ForcedChoiceEvaluator | None = None
+        self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
+        self.errors = ErrorLog()
+        self.last_suite_results: dict[str, Results] = {}
+        self.start_run([])
+
+    # -- per run --------------------------------------------------------------------------------
+
+    def start_run(self, log_history: list[dict[str, Any]]) -> None:
+        """Per-run state, rebuilt from a resumed run's logged entries (``{"step": ..., **metrics}``; others are
+        skipped), or empty for a new run."""
+        ours = [entry for entry in log_history if self.is_ours(entry)]
+        self.history = [{"step": e["step"], **{k: v for k, v in e.items() if k != "step"}} for e in ours if self.has_results(e)]
+        self.failures = int(max((e.get(f"{self.settings.log_prefix}/failures", 0) for e in ours), default=0))
+        self._last_step = ours[-1]["step"] if ours else None
+        self._last_weights: str | None = _RESTORED if ours else None  # the label of the weights tried at _last_step
+        self._last_metrics = {k: v for k, v in ours[-1].items() if k != "step"} if ours else {}
+        # The metrics of every set of weights scored in this run, by weights label: a step is not a set of
+        # weights (load_best_model_at_end loads other weights at the same step). Restored entries have no label.
+        self._by_weights: dict[str, dict[str, float]] = {}
+        self._last_results_weights: str | None = None  # the label of the weights ``last_results`` measured
+        self.last_results: Results | None = None
+        self.last_fc_results: ForcedChoiceResults | None = None
+        self.acquisition: dict[str, int | None] = {}
+        self.history_file: reporting.HistoryFile | None = None
+        self.suite_history_files: dict[str, reporting.HistoryFile] = {}
+
+    def open_history_files(self, output_dir: str | None) -> None:
+        """Open the history file (``settings.history_file`` under ``output_dir``) and the suites', keeping a
+        resumed run's lines of the steps in ``history``; main process only."""
+        self.history_file = reporting.HistoryFile.resolve(self.settings.history_file, output_dir)
+        if self.history_file is not None:
+            try:
+                self.history_file.start({entry["step"] for entry in self.history})
+            except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
+                logger.warning(
+                    "tatblimp: cannot use the history file %s (%s); none is written in this run", self.history_file.path, err
+                )
+                self.history_file = None
+        self.suite_history_files = suite_history_files(self.history_file, self.settings.suites, self.history)
+
+    def finish(self) -> None:
+        """The end of training: the acquisition steps of the history."""
+        self.acquisition = acquisition_steps(self.history, self.settings.acquisition_threshold, prefix=self.settings.log_prefix)
+
+    # -- which keys are ours ----------------------------------------------------------------------
+
+    def prefixes(self) -> tuple[str, ...]:
+        """The sections this monitor logs under: the log prefix, its forced-choice one, each suite's name."""
+        prefix = self.settings.log_prefix
+        return (prefix, f"{prefix}_fc", *(self.settings.suites or {}))
+
+    def is_our_metric(self, name: str | None) -> bool:
+        return (name or "").removeprefix("eval_").startswith(tuple(f"{prefix}/" for prefix in self.prefixes()))
+
+    def is_ours(self, entry: dict[str, Any]) -> bool:
+        prefix = self.settings.log_prefix
+        return any(key.startswith((f"{prefix}/", f"{prefix}_fc/")) for key in entry)
+
+    def has_results(self, entry: dict[str, Any]) -> bool:
+        prefix = self.settings.log_prefix
+        return f"{prefix}/acc" in entry or f"{prefix}_fc/accuracy" in entry
+
+    # -- the evaluators ---------------------------------------------------------------------------
+
+    def prepare(self, tokenizer, model, output_dir: str | None = None) -> None:
+        """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same."""
+        s = self.settings
+        if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not s.data:
+            self._prepared_for = (tokenizer, s.data)
+            self.evaluator = self.fc_evaluator = None
+            if s.protocol != "logprob":
+                self.fc_evaluator = ForcedChoiceEvaluator(
+                    tokenizer,
+                    s.data,
+                    prompt=s.forced_choice_prompt or DEFAULT_PROMPT,
+                    allow_modified=s.allow_modified,
+                    memory_budget=s.memory_budget,
+                )
+            if s.protocol != "forced-choice":
+                self.evaluator = Evaluator(
+                    tokenizer,
+                    s.data,
+                    prefix_token_id=s.prefix_token_id,
+                    allow_modified=s.allow_modified,
+                    memory_budget=s.memory_budget,
+                    truncate=s.truncate,
+                    cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
+                    suites=s.suites,
+                )
+        for evaluator in (self.fc_evaluator, self.evaluator):
+            if evaluator is not None:
+                self._prepare_or_say_why(evaluator, model)
+
+    def _prepare_or_say_why(self, evaluator, model) -> None:
+        """Prepare ``evaluator`` now, or say once, with the traceback, why it cannot be; not counted as a failure:
+        each evaluation tries again and counts its own failure (one line when the error is the same)."""
+        try:
+            evaluator.prepare(model)
+        except Exception as error:
+            if self.settings.raise_on_error:
+                raise
+            what = f"cannot score this model; every evaluation will fail and be counted in {self.settings.log_prefix}/failures"
+            self.errors.failed(what, error, source=evaluator)  # each evaluation's failure then says "as before"
+
+    # -- scoring ----------------------------------------------------------------------------------
+
+    def score(self, model, step: int, publish: Publish, main: bool = True) -> dict[str, float]:
+        """Score the weights ``model`` holds now (once per set of weights, by ``weights_label``) and record them
+        at ``step`` (once per step: ``publish`` on the main process); returns their metrics. Under
+        ``torch.distributed`` every process calls this, with the same ``step``.
+
+        A step is not a set of weights: after ``load_best_model_at_end`` the step is the last one and the
+        weights are the best checkpoint's. Weights scored before give their own numbers again, unscored.
+        """
+        if model is None or (self.evaluator is None and self.fc_evaluator is None):
+            return {}
+        weights = _weights_label_or_none(model)
+        new_step = self._last_step != step
+        # Tried at this step with these weights already (a resumed run's restored point: its checkpoint's, unlabelled).
+        same = weights is None or self._last_weights in (weights, _RESTORED)
+        if distributed.all_agree(not new_step and same):
+            return self._last_metrics
+        known = self._by_weights.get(weights) if weights is not None else None
+        self._last_step, self._last_weights = step, weights
+        if distributed.all_agree(known is not None):  # these very weights were scored in this run: their numbers
+            self._last_metrics = known
+            if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too
+                self._record(step, known, self.last_results if self._last_results_weights == weights else None, publish, main)
+            return known
+        with rng_preserved():
+            evaluator = self.evaluator
+            if self.settings.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
+                due = suites_due(self.settings.suites, self.settings.suite_every, len(self.history))
+                evaluator = functools.partial(evaluator, suites=due)
+            results = self.guarded(evaluator, model) if evaluator is not None else None
+            fc_results = self.guarded(self.fc_evaluator, model) if self.fc_evaluator is not None else None
+        metrics = self._metrics(step, results, fc_results, weights)
+        self._last_metrics = metrics
+        if weights is not None and self.has_results(metrics):  # a failure may pass (out of memory): tried again
+            self._by_weights[weights] = metrics
+        if new_step:
+            self._record(step, metrics, results, publish, main)
+        else:  # other weights at a step already on the curve: this evaluation's metrics only, one point per step
+            logger.info("tatblimp: step %d scored again for other weights (%s); not a second curve point", step, weights)
+        return metrics
+
+    def _metrics(self, step: int, results: Results | None, fc_results: ForcedChoiceResults | None, weights) -> dict[str, float]:
+        """The flat metrics of one evaluation (``<prefix>/...``, each suite's, forced choice's, the failures)."""
+        prefix = self.settings.log_prefix
+        metrics = {}
+        if results is not None:
+            self.last_results, self._last_results_weights = results, weights
+            metrics = results.flat_metrics(prefix)
+            if results.non_finite_pairs:
+                logger.warning(
+                    "tatblimp: step %d: %d pairs have non-finite log-probs and are left out of the metrics (%s)",
+                    step,
+                    results.non_finite_pairs,
+                    ", ".join(name for name, group in results.phenomena.items() if group.non_finite),
+                )
+            metrics[f"{prefix}/eval_seconds"] = results.run_info["seconds"]
+            for name, suite in results.suites.items():
+                self.last_suite_results[name] = suite
+                metrics.update(suite.flat_metrics(name))
+        if fc_results is not None:
+            self.last_fc_results = fc_results
+            metrics.update(fc_results.flat_metrics(f"{prefix}_fc"))
+            metrics[f"{prefix}_fc/eval_seconds"] = fc_results.run_info["seconds"]
+        if self.failures:
+            metrics[f"{prefix}/failures"] = float(self.failures)
+        return metrics
+
+    def _record(self, step: int, metrics: dict[str, float], results: Results | None, publish: Publish, main: bool) -> None:
+        """The curve point of this step: in ``history``, and published (main process)."""
+        if self.has_results(metrics):
+            self.history.append({"step": step, **metrics})
+        if main and metrics:
+            publish(step, metrics, results)
+
+    def write_history(self, step: int, results: Results | None) -> None:
+        """The evaluation's lines in the history file and the suites' (main process)."""
+        if results is not None and self.history_file is not None:
+            self.guarded(self.history_file.append, step, results)
+        for name, suite in (results.suites if results is not None else {}).items():
+            if name in self.suite_history_files:
+                self.guarded(self.suite_history_files[name].append, step, suite)
+
+    def console(self, step: int, metrics: dict[str, float], results: Results | None) -> None:
+        """The one-line console message of an evaluation with results."""
+        prefix = self.settings.log_prefix
+        if self.has_results(metrics):
+            line = reporting.console_line(step, metrics, prefix)
+            for name in results.suites if results is not None else ():
+                line += f"  {name} acc_norm {metrics[f'{name}/acc_norm']:.4f}"
+            reporting.print_line(line)
+
+    def guarded(self, function, *arguments):
+        """Run ``function``; unless ``raise_on_error``, log and count an exception and return None."""
+        try:
+            result = function(*arguments)
+        except Exception as error:
+            if self.settings.raise_on_error:
+                raise
+            self.failures += 1
+            self.errors.failed(f"scoring failed (failure {self.failures}); training continues", error, source=function)
+            return None
+        self.errors.succeeded(function)
+        return result
+
+
+def _weights_label_or_none(model) -> str | None:
+    try:
+        return weights_label(unwrap_model(model))
+    except Exception:  # weights that cannot be read (meta): the evaluator says why, and counts it
+        return None

@@ -1,0 +1,238 @@
+"""``TatBLiMPLightningCallback``: TatBLiMP curves while a PyTorch Lightning ``Trainer`` trains.
+
+    trainer = lightning.Trainer(max_steps=10_000, callbacks=[TatBLiMPLightningCallback(tokenizer=tok, eval_every_n_steps=500)])
+
+It scores the transformers model inside the ``LightningModule`` at global step 0 (before the first
+optimizer step), every ``eval_every_n_steps`` and at the last step, and logs ``tatblimp/...`` (and each
+suite's keys) once per evaluation, at that global step, to every logger of the Trainer (CSV,
+TensorBoard, wandb, ...). The scoring itself, the history file, failures and resume are
+``in_loop.InLoopMonitor``'s, as in the Hugging Face callback. Needs ``lightning`` (``pip install
+tatblimp-callback[lightning]``); import it from ``tatblimp_callback.lightning``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from ..chat.forced_choice import ForcedChoiceResults
+from ..engine.model_checks import unwrap_model
+from ..reading.data import Benchmark
+from ..results.curves import DEFAULT_THRESHOLD
+from ..results.metrics import Results
+from .in_loop import InLoopMonitor
+from .suite_schedule import check_suite_options
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TatBLiMPLightningCallback(Callback):
+    """Scores the LightningModule's language model on TatBLiMP every ``eval_every_n_steps`` global steps.
+
+    Every process calls the scorer under DDP (each scores a share, all get the same results); the global
+    rank 0 logs. The model's train mode and every random generator are as they were after each evaluation.
+    Its state (the points logged so far) is saved in Lightning checkpoints, so a run resumed with
+    ``trainer.fit(..., ckpt_path=...)`` continues the same curve and history file.
+
+    Raises:
+        ValueError: ``eval_every_n_steps`` is not a whole number of at least 1, or ``protocol`` is unknown
+            (when built); at the start of training, no tokenizer is given and the module has no ``tokenizer``,
+            or no transformers model can be found in the module (see ``model``).
+
+    Example:
+        ```python
+        callback = TatBLiMPLightningCallback(tokenizer=tokenizer, data="test.jsonl", eval_every_n_steps=500)
+        trainer = lightning.Trainer(max_steps=5000, callbacks=[callback], logger=CSVLogger("logs"))
+        trainer.fit(module, train_loader)
+        print(callback.last_results.acc_norm)
+        ```
+    """
+
+    eval_every_n_steps: int = 500
+    """Score every this many global (optimizer) steps."""
+
+    data: Benchmark | str | os.PathLike | None = None
+    """Benchmark JSONL path or ``Benchmark``; None: ``$TATBLIMP_DATA``, else the Hub dataset ``ilchats/TatBLiMP``."""
+
+    tokenizer: Any = None
+    """Tokenizer (or a raw ``SentencePieceTokenizer``); None: the module's ``tokenizer`` attribute."""
+
+    model: str | torch.nn.Module | None = None
+    """The model to score: an attribute name of the LightningModule (dots for nested ones) or the module itself;
+    None: the module's ``model`` attribute, else its one ``PreTrainedModel`` submodule."""
+
+    eval_on_start: bool = True
+    """Score before the first step (global step 0), so every curve starts at the untrained baseline."""
+
+    eval_on_end: bool = True
+    """Score at the end of training if the last step is not a multiple of ``eval_every_n_steps``."""
+
+    raise_on_error: bool = False
+    """Re-raise a scoring error and stop training. By default it is logged with its traceback,
+    counted in ``failures`` (and ``tatblimp/failures``), and training goes on."""
+
+    prefix_token_id: int | None = None
+    """Token put before every sentence; None: the tokenizer's BOS, else its EOS."""
+
+    allow_modified: bool = False
+    """Accept a benchmark file that is not the official release (reported as modified)."""
+
+    cache_path: str | os.PathLike | None = None
+    """Save the tokenized benchmark here (safetensors) and reuse it when data and tokenizer match; relative to
+    the Trainer's ``default_root_dir``."""
+
+    memory_budget: int | None = None
+    """Extra bytes one evaluation may use; None: a quarter of free GPU memory, 512 MiB on a CPU."""
+
+    truncate: bool = False
+    """Cut sentences longer than the model's context (counted) instead of failing."""
+
+    log_prefix: str = "tatblimp"
+    """Prefix of every logged key."""
+
+    history_file: str | os.PathLike | None = "tatblimp_history.jsonl"
+    """Write each evaluation as a JSON line here (relative to the Trainer's ``default_root_dir``; rank 0 only),
+    read by ``tatblimp compare`` and ``tatblimp report``. None: no file."""
+
+    acquisition_threshold: float = DEFAULT_THRESHOLD
+    """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
+
+    protocol: str = "logprob"
+    """"logprob", "forced-choice" or "both", as ``TatBLiMPCallback.protocol``."""
+
+    forced_choice_prompt: str | None = None
+    """The forced-choice user message with ``{a}`` and ``{b}``; None: ``forced_choice.DEFAULT_PROMPT``."""
+
+    suites: dict[str, Any] | None = None
+    """More suites to score in the same pass, ``{name: path or suites.Suite}``, as ``TatBLiMPCallback.suites``."""
+
+    suite_every: int | dict[str, int] = 1
+    """Score the suites at every k-th evaluation only, as ``TatBLiMPCallback.suite_every``."""
+
+    def __post_init__(self):
+        every = self.eval_every_n_steps
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"eval_every_n_steps must be a whole number of at least 1, got {every!r}")
+        if self.protocol not in ("logprob", "forced-choice", "both"):
+            raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
+        check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
+        self._monitor = InLoopMonitor(self)
+        self._entries: list[dict[str, Any]] = []  # every point logged: {"step": ..., **metrics}, the checkpointed state
+        self._restored: list[dict[str, Any]] | None = None
+        self._checked_step: int | None = None
+
+    # -- what it keeps --------------------------------------------------------------------------
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """One entry per evaluation: ``step`` and the logged metrics."""
+        return self._monitor.history
+
+    @property
+    def failures(self) -> int:
+        """Evaluations that raised (and were logged instead of raised)."""
+        return self._monitor.failures
+
+    @property
+    def last_results(self) -> Results | None:
+        """The latest log-prob results (None before the first evaluation)."""
+        return self._monitor.last_results
+
+    @property
+    def last_fc_results(self) -> ForcedChoiceResults | None:
+        """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
+        return self._monitor.last_fc_results
+
+    @property
+    def acquisition(self) -> dict[str, int | None]:
+        """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or above
+        ``acquisition_threshold`` (None: never)."""
+        return self._monitor.acquisition
+
+    # -- Lightning events -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": [dict(entry) for entry in self._entries]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = list(state_dict.get("entries", []))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._entries = self._restored or []
+        self._restored = None
+        self._monitor.start_run(self._entries)
+        self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
+        if trainer.is_global_zero:
+            self._monitor.open_history_files(trainer.default_root_dir)
+        tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("TatBLiMPLightningCallback needs a tokenizer: pass tokenizer= or give the module a tokenizer")
+        self._monitor.prepare(tokenizer, self._find_model(pl_module), trainer.default_root_dir)
+        if self.eval_on_start and trainer.global_step == 0:  # a resumed run has its earlier points already
+            self._score(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        # Several batches end at one global step under gradient accumulation: the first one decides.
+        if step != self._checked_step and step % self.eval_every_n_steps == 0:
+            self._score(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Before the loggers are finalized; the monitor scores nothing twice for the same weights and step.
+        if self.eval_on_end and trainer.global_step != self._checked_step:
+            self._score(trainer, pl_module)
+        self._monitor.finish()
+
+    # -- scoring and logging --------------------------------------------------------------------
+
+    def _find_model(self, pl_module) -> torch.nn.Module:
+        """The model to score (``model``): named, else the ``model`` attribute, else the one PreTrainedModel."""
+        from transformers import PreTrainedModel
+
+        if isinstance(self.model, torch.nn.Module):
+            return self.model
+        if isinstance(self.model, str):
+            found = pl_module
+            for part in self.model.split("."):
+                found = getattr(found, part, None)
+            if not isinstance(found, torch.nn.Module):
+                raise ValueError(
+                    f"TatBLiMPLightningCallback(model={self.model!r}): {type(pl_module).__name__} has no such module"
+                )
+            return found
+        if isinstance(getattr(pl_module, "model", None), torch.nn.Module):
+            return pl_module.model
+        found = [m for m in pl_module.modules() if isinstance(m, PreTrainedModel)]
+        outermost = [m for m in found if not any(m is not o and any(m is c for c in o.modules()) for o in found)]
+        if len(outermost) != 1:
+            what = "no transformers PreTrainedModel" if not outermost else f"{len(outermost)} PreTrainedModels"
+            raise ValueError(
+                f"TatBLiMPLightningCallback cannot tell which model to score: {type(pl_module).__name__} holds {what} "
+                "and no `model` attribute; pass model='attribute name' (or the module itself)"
+            )
+        return outermost[0]
+
+    def _score(self, trainer, pl_module) -> dict[str, float]:
+        """Score the model's weights now (every rank) and log a new point at this global step (rank 0)."""
+        self._checked_step = trainer.global_step
+        model = unwrap_model(self._find_model(pl_module))
+
+        def publish(step: int, metrics: dict[str, float], results: Results | None) -> None:
+            self._entries.append({"step": step, **metrics})  # on every rank: each saves the same state
+            if trainer.is_global_zero:
+                self._log(trainer, step, metrics, results)
+
+        return self._monitor.score(model, trainer.global_step, publish)
+
+    def _log(self, trainer, step: int, metrics: dict[str, float], results: Results | None) -> None:
+        """One evaluation, once, to every logger of the Trainer, the history file and the console."""
+        for each in trainer.loggers:
+            self._monitor.guarded(each.log_metrics, dict(metrics), step)
+        self._monitor.write_history(step, results)
+        self._monitor.console(step, metrics, results)

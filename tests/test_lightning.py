@@ -1,0 +1,277 @@
+"""``TatBLiMPLightningCallback`` in real ``lightning.Trainer`` runs on the CPU: one process and DDP with two.
+
+The runs are ``lightning_worker.py`` in a fresh process (Lightning starts DDP's second rank by running the
+script again); these tests read back what they logged: CSV, TensorBoard event files and the offline wandb run.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from trainer_utils import corpus_blocks, wandb_records
+
+pytest.importorskip("lightning")
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from tatblimp_callback import Evaluator
+from tatblimp_callback.lightning import TatBLiMPLightningCallback
+from tatblimp_callback.reading.jsonl import read_complete_lines
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+STEPS = [0, 2, 4, 5]  # eval_every_n_steps=2 over max_steps=5: the start, every 2, the last
+
+
+def run_worker(tmp_path: Path, tokenizer, small_data, devices: int) -> list[dict]:
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    shutil.copy(small_data, tmp_path / "small.jsonl")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), str(devices)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def fresh_metrics(weights, tokenizer, small_data) -> dict[str, float]:
+    """What a fresh ``Evaluator`` gives for ``weights``, as the flat keys the callback logs."""
+    model = tiny_llama(len(tokenizer))
+    model.load_state_dict(weights)
+    results = Evaluator(tokenizer, small_data, allow_modified=True)(model.eval())
+    return results.flat_metrics("tatblimp")
+
+
+def without_seconds(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in entry.items() if k != "tatblimp/eval_seconds"} for entry in history]
+
+
+def check_run(tmp_path: Path, ranks: list[dict], tokenizer, small_data) -> None:
+    history = ranks[0]["history"]
+    assert [entry["step"] for entry in history] == STEPS
+    # Every rank gets the same results (each times its own share).
+    assert all(without_seconds(out["history"]) == without_seconds(history) for out in ranks)
+    assert ranks[0]["failures"] == 0
+    # Each point measured the weights of its step (taken just before the callback ran), to the last digit.
+    for entry in history:
+        expected = fresh_metrics(ranks[0]["weights"][entry["step"]], tokenizer, small_data)
+        assert {k: v for k, v in entry.items() if k not in ("step", "tatblimp/eval_seconds")} == expected
+    # The random generators and the train mode are as they were, after every event of the callback.
+    assert all(out["rng_same"] and all(out["rng_same"]) for out in ranks)
+    assert all(out["train_mode"] and all(out["train_mode"]) for out in ranks)
+
+    # CSVLogger: one row per evaluation, at its global step.
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("tatblimp/acc")]
+    assert [int(row["step"]) for row in rows] == STEPS
+    assert [float(row["tatblimp/acc_norm"]) for row in rows] == [e["tatblimp/acc_norm"] for e in history]
+
+    # TensorBoardLogger: the event files read back as TensorBoard does.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    events.Reload()
+    scalars = events.Scalars("tatblimp/acc_norm")
+    assert [s.step for s in scalars] == STEPS
+    assert [s.value for s in scalars] == pytest.approx([e["tatblimp/acc_norm"] for e in history], abs=1e-6)
+    assert "tatblimp/binding/acc_norm" in events.Tags()["scalars"]
+
+    # WandbLogger (offline): the history records read back with `wandb leet inspect --json`.
+    records = [r for r in wandb_records(ranks[0]["wandb_dir"]) if r.get("type") == "history"]
+    ours = [r for r in records if "tatblimp/acc" in str(r)]
+    assert len(ours) == len(STEPS), records[:3]
+    text = str(ours)
+    for entry in history:
+        assert repr(entry["tatblimp/acc_norm"]) in text
+
+
+@pytest.mark.slow
+def test_one_process_logs_every_point_once_to_csv_tensorboard_and_wandb(tmp_path, bpe_tokenizer, small_data):
+    ranks = run_worker(tmp_path, bpe_tokenizer, small_data, devices=1)
+    check_run(tmp_path, ranks, bpe_tokenizer, small_data)
+    lines = list(read_complete_lines(tmp_path / "root" / "tatblimp_history.jsonl"))
+    assert len(lines) == len(STEPS)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_score_sharded_and_rank_zero_logs(tmp_path, bpe_tokenizer, small_data):
+    ranks = run_worker(tmp_path, bpe_tokenizer, small_data, devices=2)
+    assert len(ranks) == 2
+    check_run(tmp_path, ranks, bpe_tokenizer, small_data)
+
+
+# -- in this process ------------------------------------------------------------------------------
+
+
+class Wrapped(L.LightningModule):
+    def __init__(self, vocab_size: int, attribute: str = "model"):
+        super().__init__()
+        setattr(self, attribute, tiny_llama(vocab_size).train())
+        self._name = attribute
+
+    def training_step(self, batch, batch_idx):
+        return getattr(self, self._name)(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def fit(module, callback, root: Path, max_steps: int, tokenizer, ckpt_path=None, checkpoint=None) -> L.Trainer:
+    blocks = torch.tensor([b["input_ids"] for b in corpus_blocks(tokenizer, lines=120)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        default_root_dir=str(root),
+        logger=CSVLogger(str(root), name="csv"),
+        callbacks=[callback, *([checkpoint] if checkpoint else [])],
+        enable_checkpointing=checkpoint is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(blocks, batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_tokenizer, small_data):
+    options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
+    first = TatBLiMPLightningCallback(**options)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    fit(Wrapped(len(bpe_tokenizer)), first, tmp_path, 4, bpe_tokenizer, checkpoint=checkpoint)
+    assert [e["step"] for e in first.history] == [0, 2, 4]
+    # Resumed from step 2 (the run went on to 4 and stopped): step 4 is scored again, once, and 6 follows.
+    second = TatBLiMPLightningCallback(**options)
+    fit(Wrapped(len(bpe_tokenizer)), second, tmp_path, 6, bpe_tokenizer, ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
+    assert [e["step"] for e in second.history] == [0, 2, 4, 6]
+    assert second.history[:2] == first.history[:2]  # restored from the checkpoint, not scored again
+    import json
+
+    lines = [json.loads(line) for line in read_complete_lines(tmp_path / "tatblimp_history.jsonl")]
+    assert [line["step"] for line in lines] == [0, 2, 4, 6]
+    assert [line["acc_norm"] for line in lines] == [e["tatblimp/acc_norm"] for e in second.history]
+
+
+def test_the_model_is_found_named_or_refused_clearly(tmp_path, bpe_tokenizer, small_data):
+    options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
+    named = TatBLiMPLightningCallback(model="lm", **options)
+    fit(Wrapped(len(bpe_tokenizer), "lm"), named, tmp_path / "named", 1, bpe_tokenizer)
+    assert [e["step"] for e in named.history] == [0, 1]
+    found = TatBLiMPLightningCallback(**options)  # no `model` attribute: the one PreTrainedModel
+    fit(Wrapped(len(bpe_tokenizer), "backbone"), found, tmp_path / "found", 1, bpe_tokenizer)
+    assert [e["step"] for e in found.history] == [0, 1]
+    assert found.history[0]["tatblimp/acc"] == named.history[0]["tatblimp/acc"]  # the same seed: the same model
+
+    class Two(Wrapped):
+        def __init__(self, vocab_size):
+            super().__init__(vocab_size, "student")
+            self.teacher = tiny_llama(vocab_size)
+
+    with pytest.raises(ValueError, match=r"2 PreTrainedModels.*pass model="):
+        fit(Two(len(bpe_tokenizer)), TatBLiMPLightningCallback(**options), tmp_path / "two", 1, bpe_tokenizer)
+    with pytest.raises(ValueError, match="has no such module"):
+        fit(Wrapped(len(bpe_tokenizer)), TatBLiMPLightningCallback(model="lm", **options), tmp_path / "x", 1, bpe_tokenizer)
+    with pytest.raises(ValueError, match="eval_every_n_steps"):
+        TatBLiMPLightningCallback(eval_every_n_steps=0)
+
+
+def test_importing_the_package_does_not_import_lightning():
+    code = "import sys, tatblimp_callback; assert not {'lightning', 'pytorch_lightning'} & set(sys.modules), 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+    from tatblimp_callback import evaluation
+
+    score = evaluation.Evaluator.__call__
+    calls = []
+
+    def fails_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
+    options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
+    callback = TatBLiMPLightningCallback(**options)
+    trainer = fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path / "goes-on", 3, bpe_tokenizer)
+    assert trainer.global_step == 3 and callback.failures == 1
+    assert [e["step"] for e in callback.history] == [0, 2, 3]  # step 1 failed: no point there
+    assert callback.history[-1]["tatblimp/failures"] == 1.0
+    with (tmp_path / "goes-on" / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(int(r["step"]), r["tatblimp/failures"]) for r in rows] == [(0, ""), (1, "1.0"), (2, "1.0"), (3, "1.0")]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="injected"):
+        fit(
+            Wrapped(len(bpe_tokenizer)),
+            TatBLiMPLightningCallback(raise_on_error=True, **options),
+            tmp_path / "raise",
+            3,
+            bpe_tokenizer,
+        )
+
+
+def test_suites_and_gradient_accumulation_one_row_per_evaluation(tmp_path, bpe_tokenizer, small_data):
+    from conftest import SHARED
+
+    blimp = tmp_path / "passive_1.jsonl"
+    source = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").split("\n")
+    blimp.write_text("\n".join(source[300:330]) + "\n", encoding="utf-8")
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer,
+        data=small_data,
+        allow_modified=True,
+        eval_every_n_steps=2,
+        suites={"blimp": blimp},
+        suite_every=2,
+    )
+    blocks = torch.tensor([b["input_ids"] for b in corpus_blocks(bpe_tokenizer, lines=120)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        accumulate_grad_batches=2,  # two batches end at each global step: still one evaluation per step
+        default_root_dir=str(tmp_path),
+        logger=CSVLogger(str(tmp_path), name="csv"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Wrapped(len(bpe_tokenizer)), DataLoader(blocks, batch_size=2))
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    assert [bool(r["blimp/acc"]) for r in rows] == [True, False, True]  # every 2nd evaluation: the first and the third
+    assert float(rows[2]["blimp/acc"]) == callback.last_results.suites["blimp"].acc
+    suite_lines = list(read_complete_lines(tmp_path / "tatblimp_history.blimp.jsonl"))
+    assert len(suite_lines) == 2
+
+
+def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bpe_tokenizer, small_data):
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer,
+        data=small_data,
+        allow_modified=True,
+        eval_every_n_steps=2,
+        eval_on_start=False,
+        eval_on_end=False,
+    )
+    fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path, 5, bpe_tokenizer)
+    assert [e["step"] for e in callback.history] == [2, 4]
