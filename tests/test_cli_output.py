@@ -1,0 +1,54 @@
+"""What the commands print, as a new user reads it: no progress bar of transformers' loading, ``explain``'s header
+wrapped at spaces to the terminal's width, and a tokenizer built in memory named by its kind, not by a class."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import DATA
+from tatblimp_callback.cli import main
+from tatblimp_callback.commands.explain import format_pair
+from tatblimp_callback.results.metrics import PairResult
+from tatblimp_callback.results.token_results import PairTokens
+from tatblimp_callback.tokenized.tokenization import tokenizer_fingerprint, tokenizer_name
+
+
+def test_score_prints_no_loading_bar(model_dir, capsys):
+    assert main(["score", str(model_dir), "--data", str(DATA), "--device", "cpu", "--limit", "1"]) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"^overall\s+16\s", captured.out, re.M)
+    assert "Loading weights" not in captured.err and "it/s" not in captured.err
+
+
+def a_pair() -> tuple[PairResult, PairTokens]:
+    good = ["Ки", "бет", "тә", " Алия", " икмәк", ",", " ә", " Булат", " сөт", " сатып", " алды", "."]
+    bad = [*good[:7], " сөт", " Булат", *good[9:]]
+    good_lp, bad_lp = [-1.25 - k / 10 for k in range(len(good))], [-1.5 - k / 10 for k in range(len(bad))]
+    pair = PairResult(sum(good_lp), sum(bad_lp), len(good), len(bad), 60, 60, "ellipsis_gapping", "second_conjunct")
+    return pair, PairTokens(good_lp, bad_lp, good, bad, {"good": [7, 9], "bad": [7, 9]})
+
+
+def header_of(text: str) -> list[str]:
+    lines = text.splitlines()
+    return lines[: next(k for k, line in enumerate(lines) if line.startswith("good "))]
+
+
+def test_explains_header_wraps_at_spaces_to_the_width():
+    pair, tokens = a_pair()
+    unwrapped = header_of(format_pair(313, pair, tokens, width=10_000))
+    assert len(unwrapped) == 4 and unwrapped[3] == "(surprisal in bits under each token; [ ]: the edit)"
+    assert re.fullmatch(r"margin [+-]\d\.\d{3} nats = before the edit .* \+ after it [+-]\d\.\d{3}", unwrapped[2])
+    for width, lines in ((120, 4), (100, 4), (60, 5)):
+        header = header_of(format_pair(313, pair, tokens, width=width))
+        assert len(header) == lines and all(len(line) <= width for line in header), (width, header)
+        # Broken at spaces only: joined again, the words are those of the unwrapped header.
+        assert " ".join(line.strip() for line in header).split() == " ".join(unwrapped).split()
+
+
+def test_a_tokenizer_built_in_memory_is_named_by_its_kind(bpe_tokenizer):
+    name = tokenizer_name(bpe_tokenizer)
+    assert bpe_tokenizer.name_or_path == ""
+    assert (
+        name
+        == f"a BPE tokenizer built in memory ({len(bpe_tokenizer):,} tokens, fingerprint {tokenizer_fingerprint(bpe_tokenizer)})"
+    )
