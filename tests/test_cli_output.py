@@ -1,5 +1,5 @@
 """What the commands print, as a new user reads it: no progress bar of transformers' loading, ``explain``'s header
-wrapped at spaces to the terminal's width, and a tokenizer built in memory named by its kind, not by a class."""
+wrapped at spaces to the terminal's width (a tokenizer built in memory, named by its kind: test_tokenization.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from tatblimp_callback.cli import main
 from tatblimp_callback.commands.explain import format_pair
 from tatblimp_callback.results.metrics import PairResult
 from tatblimp_callback.results.token_results import PairTokens
-from tatblimp_callback.tokenized.tokenization import tokenizer_fingerprint, tokenizer_name
 
 
 def test_score_prints_no_loading_bar(model_dir, capsys):
@@ -43,12 +42,3 @@ def test_explains_header_wraps_at_spaces_to_the_width():
         assert len(header) == lines and all(len(line) <= width for line in header), (width, header)
         # Broken at spaces only: joined again, the words are those of the unwrapped header.
         assert " ".join(line.strip() for line in header).split() == " ".join(unwrapped).split()
-
-
-def test_a_tokenizer_built_in_memory_is_named_by_its_kind(bpe_tokenizer):
-    name = tokenizer_name(bpe_tokenizer)
-    assert bpe_tokenizer.name_or_path == ""
-    assert (
-        name
-        == f"a BPE tokenizer built in memory ({len(bpe_tokenizer):,} tokens, fingerprint {tokenizer_fingerprint(bpe_tokenizer)})"
-    )
