@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument(
         "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
     )
-    score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument("--output", help="write the results as JSON here (missing folders are created)")
     score.add_argument("--revision", help="a Hub model's branch, tag or commit (default: main)")
     score.add_argument(
         "--tp-plan",
@@ -83,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
+    tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing (not even torch)
     from .evaluation import evaluate
     from .reading.data import load_benchmark
     from .tokenized.tokenization import check_sentencepiece_mismatch
 
-    tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing
     suites = suites_from_args(args)
     if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
         benchmark = suites.pop(next(iter(suites)))

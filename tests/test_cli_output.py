@@ -3,7 +3,9 @@ wrapped at spaces to the terminal's width (a tokenizer built in memory, named by
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from conftest import DATA
 from tatblimp_callback.cli import main
@@ -42,3 +44,14 @@ def test_explains_header_wraps_at_spaces_to_the_width():
         assert len(header) == lines and all(len(line) <= width for line in header), (width, header)
         # Broken at spaces only: joined again, the words are those of the unwrapped header.
         assert " ".join(line.strip() for line in header).split() == " ".join(unwrapped).split()
+
+
+def test_output_files_go_into_folders_made_for_them(tmp_path, capsys):
+    """--json, --markdown and --plot (matplotlib's savefig makes no folder) into folders that do not exist yet."""
+    demo = Path(__file__).parent / "data" / "demo_history.jsonl"
+    out = tmp_path / "new" / "deeper"
+    arguments = ["--json", str(out / "c.json"), "--markdown", str(out / "m" / "c.md"), "--plot", str(out / "p" / "c.png")]
+    assert main(["compare", f"{demo}@0", f"{demo}@2000", *arguments]) == 0, capsys.readouterr().err
+    assert json.loads((out / "c.json").read_text(encoding="utf-8"))
+    assert (out / "m" / "c.md").read_text(encoding="utf-8").startswith("## TatBLiMP comparison")
+    assert (out / "p" / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
