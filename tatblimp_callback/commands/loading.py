@@ -3,7 +3,8 @@
 Shared by the commands that load a model (``tatblimp score`` and ``tatblimp sweep``), with the
 options they have in common. A name that is not an existing folder or file is taken as a Hub id
 only if it can be one; ``/data/my-model``, ``./x``, ``a/b/c`` that do not exist, and ``runs/nope`` where
-``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries.
+``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries; without network, a
+Hub id that is not in the local cache fails at once too (``reading/hub.py``).
 """
 
 from __future__ import annotations
