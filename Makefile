@@ -1,13 +1,14 @@
 # Two commands on a fresh machine: `make demo` (the tiny Tatar training run with the callback)
-# and `make test`. Both create .venv and install into it first. CI (.ci/run) also runs
-# `make lint`, `make package-check` (the wheel installed and used as users get it) and
-# `make docs` (the documentation site, mkdocs.yml, built strictly into site/).
+# and `make test` (the tests not marked slow). Both create .venv and install into it first.
+# CI (.ci/run) runs `make test-all` (every test, the slow ones too) and also `make lint`,
+# `make package-check` (the wheel installed and used as users get it) and `make docs` (the
+# documentation site, mkdocs.yml, built strictly into site/).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SHARED ?= ../shared
 
-.PHONY: install demo test lint format package-check bench docs
+.PHONY: install demo test test-all lint format package-check bench docs
 
 $(BIN)/tatblimp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,12 @@ install: $(BIN)/tatblimp
 demo: install
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python examples/train_tiny_tatar.py --corpus $(SHARED)/tatar-corpus/train.txt --data $(SHARED)/tatblimp/test.jsonl
 
+# The slow tests (@pytest.mark.slow: real Trainer runs, torchrun processes, the docs site in a browser) run in
+# `make test-all`, which CI runs.
 test: install
+	TATBLIMP_SHARED=$(abspath $(SHARED)) $(BIN)/python -m pytest -q -m "not slow"
+
+test-all: install
 	TATBLIMP_SHARED=$(abspath $(SHARED)) $(BIN)/python -m pytest -q
 
 lint: install

@@ -11,9 +11,13 @@
     tatblimp explain MODEL_DIR --pair N | --phenomenon NAME --worst K     (see explain.py)
     tatblimp report RESULTS... --output report.html [--model MODEL_DIR]   (see report.py)
 
-A failure exits with status 1 and a one-line message on stderr, not a traceback. Everything that can be
-checked without the model (paths, options) is checked before it loads; output files are written before the
-tables are printed, and a closed stdout (``| head``) is not an error.
+A failure exits with status 1 and a one-line message on stderr, not a traceback; a wrong option or a missing
+argument exits with status 2 (argparse's convention), the usage of the subcommand it was given to, and one
+error line. Everything that can be checked without the model (paths, options) is checked before it loads;
+output files are written before the tables are printed, and a closed stdout (``| head``) is not an error.
+
+``--version`` and ``--help`` import neither torch nor transformers (tests/test_cli_startup.py): the parsers
+are built from light modules, and each command imports what it runs when it runs.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from .commands.explain import add_explain_parser
 from .commands.loading import add_model_arguments, load_from_args, tokenizer_source
 from .commands.outputs import check_output_file, say, silence_stdout, write_text
 from .commands.sweep import add_sweep_parser
-from .engine import distributed
 from .reading.suites import add_suite_arguments, suites_from_args
 from .reports.report import add_report_parser
 
@@ -41,7 +44,7 @@ VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tatblimp", description="Score causal LMs on TatBLiMP minimal pairs.")
     parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
-    parser.add_argument("--version", action="version", version=f"tatblimp {__version__}")
+    parser.add_argument("--version", action="version", version=f"tatblimp {__version__}", help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     score = commands.add_parser("score", help="score one model and print the per-phenomenon table")
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument(
         "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
     )
-    score.add_argument("--output", help="write the results as JSON here")
+    score.add_argument("--output", help="write the results as JSON here (missing folders are created)")
     score.add_argument("--revision", help="a Hub model's branch, tag or commit (default: main)")
     score.add_argument(
         "--tp-plan",
@@ -80,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
+    tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing (not even torch)
     from .evaluation import evaluate
     from .reading.data import load_benchmark
     from .tokenized.tokenization import check_sentencepiece_mismatch
 
-    tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing
     suites = suites_from_args(args)
     if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
         benchmark = suites.pop(next(iter(suites)))
@@ -134,6 +137,8 @@ def run_score(args: argparse.Namespace) -> None:
         raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
     results = evaluate_from_args(args, args.model)
     results.run_info["model"] = args.model
+    from .engine import distributed
+
     if args.tp_plan and distributed.world()[0] != 0:
         return  # every process scored the same rows; process 0 reports
     report(results, args.output)
@@ -145,7 +150,7 @@ def run_score(args: argparse.Namespace) -> None:
 
 def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
     """``score`` options of the forced-choice protocol (local chat model or chat-completions endpoint)."""
-    group = parser.add_argument_group("forced choice (chat models; see forced_choice.py and endpoint.py)")
+    group = parser.add_argument_group("forced choice (chat models, local or behind an OpenAI-compatible endpoint)")
     group.add_argument(
         "--protocol",
         choices=("logprob", "forced-choice"),
@@ -242,8 +247,18 @@ def run_forced_choice(args: argparse.Namespace) -> None:
     report(results, args.output)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that an option no parser knows is reported by the subcommand's parser:
+    its usage, not the top-level one, and status 2."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         args.run(args)
@@ -255,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # one line for the user; --verbose shows the traceback
         if args.verbose:
             logging.exception("tatblimp %s failed", args.command)
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        message = getattr(err, "command_line", None) or str(err)  # BenchmarkError: the wording that names the option
+        message = message.splitlines()[0] if message else type(err).__name__
         print(f"tatblimp {args.command}: error: {message}", file=sys.stderr)
         return 1
     return 0

@@ -109,6 +109,7 @@ wandb.finish()
 """
 
 
+@pytest.mark.slow
 def test_wandb_and_tensorboard_at_once_get_every_evaluation_once(small_data, tmp_path):
     script = WANDB_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
     first, second = run_wandb_script(script, tmp_path, TENSORBOARD_LOGGING_DIR=str(tmp_path / "tb"))
@@ -178,6 +179,7 @@ wandb.finish()
 """
 
 
+@pytest.mark.slow
 def test_a_resumed_wandb_run_keeps_one_curve(small_data, tmp_path):
     script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), data=str(small_data), out=str(tmp_path / "out"))
     before, after = run_wandb_script(script, tmp_path, WANDB_RUN_ID="tatblimp-resume-test", WANDB_RESUME="allow")

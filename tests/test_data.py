@@ -8,6 +8,7 @@ import pytest
 
 from conftest import DATA, write_pairs
 from tatblimp_callback import BenchmarkError, load_benchmark
+from tatblimp_callback.cli import main
 from tatblimp_callback.reading.data import OFFICIAL_MD5, OFFICIAL_PHENOMENA, OFFICIAL_RELEASE
 
 GOOD = {"good": "Мин китап укыйм.", "bad": "Мин китап укыйсың.", "phenomenon": "subject_verb_agreement", "subtype": "1sg"}
@@ -39,10 +40,19 @@ def test_hub_download_offline_is_a_clear_error(monkeypatch, tmp_path):
         load_benchmark()
 
 
-def test_modified_file_needs_consent_and_is_named(tmp_path):
+def test_modified_file_needs_consent_and_is_named(tmp_path, capsys):
     path = write_pairs(tmp_path / "mine.jsonl", [GOOD])
-    with pytest.raises(BenchmarkError, match=r"is not the official TatBLiMP v1\.0 release"):
+    with pytest.raises(BenchmarkError, match=r"is not the official TatBLiMP v1\.0 release") as error:
         load_benchmark(path)
+    assert str(error.value).endswith("; pass allow_modified=True to score it as a modified benchmark")
+    # The command names its flag: one line, that option and no Python argument (before any model loads).
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    assert main(["score", str(tmp_path / "model"), "--data", str(path)]) == 1
+    assert capsys.readouterr().err == (
+        f"tatblimp score: error: {path}: md5 {error.value.args[0].split('md5 ')[1].split()[0]} is not the official "
+        f"TatBLiMP v1.0 release ({OFFICIAL_MD5}); pass --allow-modified to score it as a modified benchmark\n"
+    )
     benchmark = load_benchmark(path, allow_modified=True)
     assert not benchmark.official
     assert benchmark.release == f"modified (md5 {benchmark.md5})" and len(benchmark.md5) == 32
@@ -86,8 +96,9 @@ def test_bad_lines_name_file_and_line(tmp_path, second_line, message):
     path.write_bytes(
         json.dumps(GOOD, ensure_ascii=False).encode() + b"\n" + second_line + b"\n" + json.dumps(GOOD).encode() + b"\n"
     )
-    with pytest.raises(BenchmarkError, match=str(path).replace(".", r"\.") + message):
-        load_benchmark(path, allow_modified=True)
+    for allow_modified in (True, False):  # a broken line is named first, not the md5 the flag would accept
+        with pytest.raises(BenchmarkError, match=str(path).replace(".", r"\.") + message):
+            load_benchmark(path, allow_modified=allow_modified)
 
 
 def test_empty_and_missing_files(tmp_path):

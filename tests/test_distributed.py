@@ -82,6 +82,7 @@ def test_one_process_runs_every_batch_without_collectives():
 # -- the scorer on two processes -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sharded_scores_equal_one_process_bitwise(scorer_run):
     ranks, _ = scorer_run
     for out in ranks:
@@ -99,6 +100,7 @@ def test_sharded_scores_equal_one_process_bitwise(scorer_run):
     assert [out["forwards"] for out in ranks] == [len(share) for share in shares] == [5, 4]
 
 
+@pytest.mark.slow
 def test_forced_choice_is_sharded_and_equals_one_process_bitwise(scorer_run):
     ranks, _ = scorer_run
     for out in ranks:
@@ -110,6 +112,7 @@ def test_forced_choice_is_sharded_and_equals_one_process_bitwise(scorer_run):
     assert [out["fc_forwards"] for out in ranks] == [len(share) for share in shares]
 
 
+@pytest.mark.slow
 def test_short_shards_repeat_a_batch_only_in_lockstep(scorer_run):
     ranks, _ = scorer_run
     # Batches of 30, 20 and 10 tokens: rank 0 takes the 30, rank 1 the 20 and the 10; in
@@ -119,6 +122,7 @@ def test_short_shards_repeat_a_batch_only_in_lockstep(scorer_run):
     assert ranks[0]["no_lockstep"] == [("a", False)]
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
     ranks, _ = scorer_run
     # Inside scoring (rank 1's second batch) and before it (rank 1's prepare).
@@ -137,6 +141,7 @@ def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
         assert (out["oom_retries"], out["oom_budget"]) == (1, 2**20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["sentences", "forced_choice"])
 def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run, protocol):
     ranks, _ = scorer_run
@@ -155,6 +160,7 @@ def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run, prot
 # -- an HF Trainer under DDP ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_trainer_under_ddp_matches_one_process_and_logs_once(trainer_run):
     ranks, _ = trainer_run
     assert [(out["world_size"], out["backend"]) for out in ranks] == [(2, "gloo"), (2, "gloo")]
@@ -173,6 +179,7 @@ def test_trainer_under_ddp_matches_one_process_and_logs_once(trainer_run):
     assert ranks[1]["log_history"] == [] and ranks[1]["logged"] == []
 
 
+@pytest.mark.slow
 def test_trainer_failure_on_one_rank_is_counted_on_both_and_training_goes_on(trainer_run):
     ranks, log = trainer_run
     for out in ranks:

@@ -157,6 +157,7 @@ print(kept >> 20, (rss_anon() - before) >> 20)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc only")
 def test_an_evaluation_hands_the_memory_it_freed_back_to_the_system():
     # glibc as a long training process leaves it: freed blocks under 32 MiB stay mapped for reuse, and

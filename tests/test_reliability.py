@@ -322,6 +322,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_wandb_offline_disabled_or_not_logged_in_never_fails_or_asks(one_each, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -410,6 +411,7 @@ def live_tensors() -> int:
     return sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
 
 
+@pytest.mark.slow
 def test_hundreds_of_evaluations_leave_memory_flat(bpe_tokenizer, one_each):
     model = tiny_llama(len(bpe_tokenizer), hidden=16, layers=1)
     cb = callback(one_each, eval_steps=1)

@@ -47,7 +47,7 @@ def test_full_benchmark_matches_one_at_a_time(model, cache, reference):
         dict(method=ScoringMethod("padded", "tiled")),
         dict(method=ScoringMethod("packed", "tiled")),
         dict(method=ScoringMethod("tree", "full_logits")),
-        dict(method=ScoringMethod("packed", "full_logits")),
+        pytest.param(dict(method=ScoringMethod("packed", "full_logits")), marks=pytest.mark.slow),
         dict(method=ScoringMethod("padded", "full_logits")),
         dict(memory_budget=20 * 2**20, row_length=96),
         dict(memory_budget=200 * 2**20, row_length=1024),
@@ -60,6 +60,7 @@ def test_every_method_and_batching_gives_the_same_decisions(model, cache, refere
     assert (scores[0::2] > scores[1::2]).tolist() == (reference[0::2] > reference[1::2]).tolist()
 
 
+@pytest.mark.slow
 def test_sentence_order_does_not_change_scores(model, bpe_tokenizer, reference):
     benchmark = load_benchmark(DATA)
     reversed_pairs = Benchmark(pairs=benchmark.pairs[::-1], source="reversed", md5="x")
@@ -69,6 +70,7 @@ def test_sentence_order_does_not_change_scores(model, bpe_tokenizer, reference):
     assert (restored - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_eager_attention_takes_an_additive_tree_mask(bpe_tokenizer, cache, reference):
     model = tiny_llama(len(bpe_tokenizer), attn_implementation="eager")
     scorer = Scorer(model, cache)
@@ -78,6 +80,7 @@ def test_eager_attention_takes_an_additive_tree_mask(bpe_tokenizer, cache, refer
     assert (scores - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_falls_back_to_packed_then_padded_rows_where_the_model_ignores_them(model, cache, reference, monkeypatch):
     import transformers.masking_utils as masking_utils
 
@@ -168,7 +171,7 @@ def test_too_long_sentence_is_an_error_or_counted_truncation(bpe_tokenizer, cach
     assert max(p.good_tokens for p in results.pairs) == 19
 
 
-@pytest.mark.parametrize("family", ["gemma2", "phi"])
+@pytest.mark.parametrize("family", [pytest.param("gemma2", marks=pytest.mark.slow), "phi"])
 def test_soft_capped_logits_and_a_head_with_bias(bpe_tokenizer, cache, family):
     """Gemma 2 caps its logits (30 tanh(x / 30)); Phi's LM head has a bias: the tiled head does both."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, PhiConfig, PhiForCausalLM

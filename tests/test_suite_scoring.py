@@ -87,6 +87,7 @@ def test_tatblimp_and_a_suite_in_one_pass_give_each_the_log_probs_it_gets_alone(
         evaluator(model, suites=["nope"])
 
 
+@pytest.mark.slow
 def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokenizer, small_data, tmp_path):
     """The rows of a layout are kept, never its batches: one forward call's batch exists at a time, so the
     peak tensor memory of an evaluation stays at the budget's size whatever the number of sentences.

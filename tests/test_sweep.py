@@ -166,6 +166,7 @@ def test_watch_never_reads_a_checkpoint_being_written(run_dir, small_data, bpe_t
     assert lines[3]["acc_norm"] == pytest.approx(expected.acc_norm)
 
 
+@pytest.mark.slow
 def test_curves_are_drawn_from_a_sweep_and_from_a_callback_history(run_dir, small_data, tmp_path):
     sweep(run_dir, options(small_data))
     run = load_run(run_dir / "tatblimp.jsonl")
@@ -252,6 +253,7 @@ def test_sweep_records_carry_intervals_and_outcomes_and_compare_two_of_its_steps
     assert overall[1:4] == ["48", str(sum(x > y for x, y in zip(a, b))), str(sum(x < y for x, y in zip(a, b)))]
 
 
+@pytest.mark.slow
 def test_curves_draw_a_band_where_the_history_has_intervals(run_dir, small_data, tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 

@@ -66,3 +66,19 @@ def test_watching_an_empty_folder_until_max_wait_fails_too(runs, capsys):
     )
     with pytest.raises(SweepError, match="no checkpoints found"):
         sweep(runs, SweepOptions(data=str(DATA), progress=False))
+
+
+def test_a_run_without_checkpoints_names_save_steps_and_the_saved_model(tmp_path, capsys):
+    """The demo's folder before it saved checkpoints: its final model in model/, no checkpoint-N beside it."""
+    run = tmp_path / "tiny-tatar"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text(json.dumps({}))
+    save_steps = (
+        "a Trainer saves checkpoints only with save_steps (TrainingArguments(save_strategy='steps', save_steps=N); "
+        "the demo: examples/train_tiny_tatar.py --save-steps N)"
+    )
+    assert sweep_error([str(run)], capsys) == (
+        f"{run}: {LOOKED_FOR}; {run / 'model'} holds a saved model: score it with `tatblimp score {run / 'model'}`; {save_steps}"
+    )
+    (run / "model" / "config.json").unlink()  # no model either: the advice alone
+    assert sweep_error([str(run)], capsys) == f"{run}: {LOOKED_FOR}; {save_steps}"

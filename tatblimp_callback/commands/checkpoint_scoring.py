@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +50,7 @@ class CheckpointScorer:
             "attn_implementation": options.attn_implementation,
         }
         key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
-        with _quiet_transformers():  # its per-load progress bars would break the sweep's own
-            model = load_model(str(checkpoint.path), self.device, options.dtype, **placement)
+        model = load_model(str(checkpoint.path), self.device, options.dtype, **placement)  # no progress bars of its own
         if key not in self._evaluators:
             budget = self.options.memory_budget_mb
             self._evaluators[key] = Evaluator(
@@ -86,19 +84,6 @@ class CheckpointScorer:
                 mismatches = check_sentencepiece_mismatch(source, tokenizer, self.benchmark.sentences)
             self._tokenizers[key] = (tokenizer, mismatches)
         return (key, *self._tokenizers[key])
-
-
-@contextmanager
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:

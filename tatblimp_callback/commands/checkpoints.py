@@ -136,8 +136,14 @@ def no_checkpoints_message(run_dir: str | os.PathLike) -> str:
         return message + f"; these sub-folders hold checkpoints: {listed} (sweep one of them)"
     unnamed = [child.name for child in _subfolders(run_dir) if _STEP_NAME.match(child.name)]
     if unnamed:
-        message += f"; {', '.join(unnamed[:5])} {'is' if len(unnamed) == 1 else 'are'} named like one but without either"
-    return message
+        return message + f"; {', '.join(unnamed[:5])} {'is' if len(unnamed) == 1 else 'are'} named like one but without either"
+    model = run_dir / "model"  # where the demo (and many scripts) save the final model
+    if (model / "config.json").is_file() or is_adapter_folder(model):
+        message += f"; {model} holds a saved model: score it with `tatblimp score {model}`"
+    return message + (
+        "; a Trainer saves checkpoints only with save_steps (TrainingArguments(save_strategy='steps', save_steps=N); "
+        "the demo: examples/train_tiny_tatar.py --save-steps N)"
+    )
 
 
 def _subfolders(folder: Path) -> list[Path]:

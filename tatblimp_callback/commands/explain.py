@@ -17,12 +17,15 @@ import argparse
 import math
 import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..reading.data import Benchmark
-from ..results.metrics import PairResult
-from ..results.token_results import PairTokens
+
+if TYPE_CHECKING:  # torch comes with them: `tatblimp explain --help` does without
+    from ..results.metrics import PairResult
+    from ..results.token_results import PairTokens
 
 LN2 = math.log(2)
 RESET, BOLD, EDIT, HIGH, MEDIUM = "\033[0m", "\033[1m", "\033[30;43m", "\033[31m", "\033[33m"
@@ -120,10 +123,13 @@ def format_pair(index: int, pair: PairResult, tokens: PairTokens, *, color: bool
         f"pair {index}  {pair.phenomenon}" + (f" / {pair.subtype}" if pair.subtype else ""),
         f"acc_norm {passed} (margin per byte {normalised_margin(pair):+.4f} nats), acc {'passed' if pair.passed else 'FAILED'}",
         f"margin {pair.good_logprob - pair.bad_logprob:+.3f} nats = before the edit {before:+.3f} + at the edit {at:+.3f} "
-        f"+ after it {after:+.3f}   (surprisal in bits under each token; [ ]: the edit)",
+        f"+ after it {after:+.3f}",
+        "(surprisal in bits under each token; [ ]: the edit)",
     ]
     labels = ("good", "bits", "bad", "bits")
-    out = [_paint(header[0], BOLD, color), *header[1:]]
+    # Wrapped at spaces to ``width``, so that a terminal of that width does not break a word in two.
+    header = [textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False) for line in header]
+    out = [*(_paint(line, BOLD, color) for line in header[0]), *(line for lines in header[1:] for line in lines)]
     row: list[list[tuple[str, str]]] = []
     used = 6
 

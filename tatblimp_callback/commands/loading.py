@@ -3,7 +3,8 @@
 Shared by the commands that load a model (``tatblimp score`` and ``tatblimp sweep``), with the
 options they have in common. A name that is not an existing folder or file is taken as a Hub id
 only if it can be one; ``/data/my-model``, ``./x``, ``a/b/c`` that do not exist, and ``runs/nope`` where
-``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries.
+``runs`` is a local folder, are "no such folder" at once, not a Hub error after its retries; without network, a
+Hub id that is not in the local cache fails at once too (``reading/hub.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..reading.hub import hub_cached, hub_unreachable, unreachable_message
 from ..tokenized.tokenization import SentencePieceTokenizer
 from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
+from .outputs import quiet_progress_bars
 from .placement import add_placement_arguments, placement_options
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,9 +57,13 @@ def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
         validate_repo_id(str(name))
     except HFValidationError:
         raise FileNotFoundError(f"{name}: no such {what} folder") from None
+    unreachable = hub_unreachable()  # no network and not in the Hub cache: say so now, not after a minute of retries
+    if unreachable and not hub_cached(str(name)):
+        raise FileNotFoundError(unreachable_message(str(name), unreachable))
     return None
 
 
+@quiet_progress_bars()  # transformers' "Loading weights" bar, on every command's terminal
 def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype: str = "float32", **placement):
     """A causal LM from a folder saved with ``save_pretrained`` or a Hub id, in eval mode on ``device``; a
     folder with a PEFT adapter only (``adapters``) is loaded on its base model as a ``PeftModel``.
@@ -156,11 +163,14 @@ def load_tokenizer(name_or_path: str | os.PathLike, **hub_options) -> Any:
 
 
 def _from_folder_or_hub(from_pretrained, name_or_path, folder: Path | None, **kwargs):
+    unreachable = hub_unreachable() if folder is None else None  # no network: the Hub cache only, at once
     try:
-        return from_pretrained(name_or_path, **kwargs)
+        return from_pretrained(name_or_path, **kwargs, **({"local_files_only": True} if unreachable else {}))
     except OSError as err:
         if folder is not None:
             raise
+        if unreachable:
+            raise FileNotFoundError(unreachable_message(str(name_or_path), unreachable)) from err
         raise OSError(f"{name_or_path}: no such folder, and not loadable from the Hub: {err}") from err
 
 

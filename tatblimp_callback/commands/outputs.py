@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -52,3 +53,17 @@ def say(text: str) -> None:
         print(text, flush=True)
     except BrokenPipeError:
         silence_stdout()
+
+
+@contextmanager
+def quiet_progress_bars():
+    """transformers' progress bars (and huggingface_hub's) off inside; as they were after. Usable as a decorator."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()

@@ -19,7 +19,7 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3
 
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """``--device-map``, ``--max-memory``, ``--offload-folder``, ``--trust-remote-code``, ``--attn-implementation``."""
-    group = parser.add_argument_group("models bigger than one device (see docs/guides/bigger-than-one-device.md)")
+    group = parser.add_argument_group("models bigger than one device")
     group.add_argument(
         "--device-map",
         choices=DEVICE_MAPS,

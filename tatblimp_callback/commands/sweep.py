@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..reading.jsonl import read_complete_lines
 from ..reading.suites import add_suite_arguments, parse_suite_option
@@ -31,7 +31,9 @@ from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_we
 from .loading import add_model_arguments
 from .outputs import say
 from .placement import placement_options
-from .sweep_processes import SweepProcesses
+
+if TYPE_CHECKING:  # torch.distributed comes with it: imported when a sweep runs, not for `tatblimp sweep --help`
+    from .sweep_processes import SweepProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +231,8 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     records = read_records(run_dir / RESULTS_FILE)
     if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
+    from .sweep_processes import SweepProcesses
+
     processes = SweepProcesses()
     try:
         report = _sweep(run_dir, options, records, processes)

@@ -66,7 +66,15 @@ _PHENOMENON_FIELDS = ("phenomenon", "linguistics_term", "UID")
 
 
 class BenchmarkError(ValueError):
-    """A benchmark file that cannot be used; the message names the file and, where known, the line."""
+    """A benchmark file that cannot be used; the message names the file and, where known, the line.
+
+    ``command_line`` is the message the ``tatblimp`` command prints: the same, naming its option (``--data``,
+    ``--allow-modified``) where the message names a Python argument.
+    """
+
+    def __init__(self, message: str, command_line: str | None = None):
+        super().__init__(message)
+        self.command_line = command_line or message
 
 
 @dataclass(frozen=True)
@@ -184,13 +192,15 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
         raw = path.read_bytes()
     except OSError as err:
         raise BenchmarkError(f"{path}: cannot read the benchmark file ({err.strerror or err})") from err
+    pairs = tuple(parse_pairs(raw, str(path)))  # a broken line first: --allow-modified would not mend it
     md5 = hashlib.md5(raw).hexdigest()
     if md5 != OFFICIAL_MD5 and not allow_modified:
+        head = f"{path}: md5 {md5} is not the official TatBLiMP v1.0 release ({OFFICIAL_MD5})"
         raise BenchmarkError(
-            f"{path}: md5 {md5} is not the official TatBLiMP v1.0 release ({OFFICIAL_MD5}); "
-            "pass allow_modified=True (CLI: --allow-modified) to score it as a modified benchmark"
+            f"{head}; pass allow_modified=True to score it as a modified benchmark",
+            f"{head}; pass --allow-modified to score it as a modified benchmark",
         )
-    return Benchmark(pairs=tuple(parse_pairs(raw, str(path))), source=str(path), md5=md5)
+    return Benchmark(pairs=pairs, source=str(path), md5=md5)
 
 
 def parse_pairs(raw: bytes, name: str) -> list[Pair]:
@@ -278,12 +288,16 @@ def _default_path() -> Path:
         from huggingface_hub.errors import LocalEntryNotFoundError
     except ImportError as err:  # pragma: no cover - huggingface_hub is a dependency
         raise BenchmarkError("huggingface_hub is needed to download TatBLiMP; pass a local path instead") from err
+    from .hub import hub_endpoint, hub_unreachable
+
+    unreachable = hub_unreachable()  # without network: the cache only, at once, not a minute of retries
     try:
-        return Path(hf_hub_download(HUB_REPO_ID, HUB_FILENAME, repo_type="dataset"))
+        return Path(hf_hub_download(HUB_REPO_ID, HUB_FILENAME, repo_type="dataset", local_files_only=unreachable is not None))
     except LocalEntryNotFoundError as err:
+        why = f"the Hub, {hub_endpoint()}, could not be reached: {unreachable}" if unreachable else "HF_HUB_OFFLINE is set"
+        start = f"no benchmark file given and {DATA_ENV_VAR} unset, and {HUB_REPO_ID}'s {HUB_FILENAME} is not in the Hub cache ({why})"
         raise BenchmarkError(
-            f"cannot download {HUB_FILENAME} of the Hub dataset {HUB_REPO_ID} (offline, and not in the cache); "
-            f"pass a local path or set {DATA_ENV_VAR}"
+            f"{start}; pass a local path or set {DATA_ENV_VAR}", f"{start}; pass --data PATH or set {DATA_ENV_VAR}"
         ) from err
     except Exception as err:  # network, auth and HTTP errors all end the same way for the user
         raise BenchmarkError(f"cannot download {HUB_FILENAME} of the Hub dataset {HUB_REPO_ID}: {err}") from err

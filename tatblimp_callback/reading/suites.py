@@ -239,7 +239,7 @@ def _text(record: dict, key: str | None, where: str, *, required: bool) -> str |
 
 def add_suite_arguments(parser, suites_only: bool = True) -> None:
     """``--suite NAME=PATH`` (repeatable), ``--columns [NAME:]ROLE=COLUMN,...`` and (with ``suites_only``) ``--suites-only``."""
-    group = parser.add_argument_group("more minimal-pair suites in the same pass (see suites.py)")
+    group = parser.add_argument_group("more minimal-pair suites in the same pass")
     group.add_argument(
         "--suite",
         action="append",

@@ -198,6 +198,7 @@ def plot_runs(
         legend.values(), legend.keys(), loc="upper center", bbox_to_anchor=(0.5, 1 - 0.3 / height), ncol=columns, fontsize=7
     )
     figure.tight_layout(rect=(0, 0, 1, 1 - (0.3 + 0.16 * math.ceil(len(legend) / columns)) / height))
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)  # as the commands' other output files
     figure.savefig(os.fspath(path), dpi=110)
     plt.close(figure)
 

@@ -121,7 +121,10 @@ def tokenizer_name(tokenizer: Any) -> str:
     name = getattr(tokenizer, "name_or_path", "")
     if name:
         return str(name)
-    return f"{type(tokenizer).__name__} (built in memory, fingerprint {tokenizer_fingerprint(tokenizer)})"
+    # transformers' class names (TokenizersBackend for every fast tokenizer) tell a reader nothing; the model does.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    kind = f"{type(backend.model).__name__} " if backend is not None else ""
+    return f"a {kind}tokenizer built in memory ({len(tokenizer):,} tokens, fingerprint {tokenizer_fingerprint(tokenizer)})"
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
