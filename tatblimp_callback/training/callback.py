@@ -40,7 +40,7 @@ from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .monitoring_errors import ErrorLog, rng_preserved
-from .suite_schedule import check_suite_options, suite_history_files, suites_due
+from .suite_schedule import check_suite_options, missing_metric_placeholder, suite_history_files, suites_due
 
 logger = logging.getLogger(__name__)
 
@@ -276,8 +276,8 @@ class TatBLiMPCallback(TrainerCallback):
         wanted = getattr(args, "metric_for_best_model", None)
         if self._is_our_metric(wanted) and not wanted.startswith("eval_"):
             wanted = f"eval_{wanted}"
-        if self._is_our_metric(wanted) and not self._has_results(metrics):
-            added[wanted] = float("nan")  # scoring failed: never the best, and training goes on
+        if self._is_our_metric(wanted):
+            added.update(missing_metric_placeholder(wanted, added))
         logs.update(added)
         if copy is not None:
             copy.update(added)
