@@ -241,31 +241,50 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
 
 
 def check_same_files(records: list[dict[str, Any]], benchmark: Any, suites: dict[str, Any], path: Path) -> None:
-    """Refuse to append records scored on other files than ``benchmark`` and ``suites`` to ``path``'s records.
+    """Refuse to append records scored on other pairs than ``benchmark``'s and ``suites``' to ``path``'s records.
 
-    A results file holds one benchmark file and one set of suites, each known by its md5: a suite
-    of the same name read from edited files would otherwise mix two suites in one curve.
+    A results file holds one benchmark and one set of suites, each known by its fingerprint
+    (``identity.fingerprint``: the bytes, the column mapping and the selection): a suite of the same name
+    read from edited files, or the same files read with another ``--columns``, would otherwise mix two
+    suites in one curve. Records written before fingerprints are compared by md5.
 
     Raises:
-        SweepError: a record of ``path`` was scored on another TatBLiMP file, or on other suites (by name or md5).
+        SweepError: a record of ``path`` was scored on other TatBLiMP pairs, or on other suites (by name or fingerprint).
     """
-    asked = {name: suite.md5 for name, suite in suites.items()}
+    asked = {name: _identity(suite) for name, suite in suites.items()}
+    ours = _identity(benchmark)
     for record in records:
-        theirs = {name: suite.get("benchmark", {}).get("md5") for name, suite in record.get("suites", {}).items()}
-        if record.get("benchmark", {}).get("md5", benchmark.md5) != benchmark.md5:
+        theirs = {name: _identity(suite.get("benchmark", {})) for name, suite in record.get("suites", {}).items()}
+        if not _same(_identity(record.get("benchmark", {})), ours):
             raise SweepError(
-                f"{path}: {record['checkpoint']} was scored on the benchmark file with md5 {record['benchmark']['md5']}, "
-                f"this sweep reads {benchmark.source} (md5 {benchmark.md5}); one results file holds one benchmark: "
-                "pass the same --data, or move the file away to start anew"
+                f"{path}: {record['checkpoint']} was scored on {_describe(_identity(record['benchmark']))}, "
+                f"this sweep reads {benchmark.source} ({_describe(ours)}); one results file holds one benchmark: "
+                "pass the same --data (and --limit, --phenomena), or move the file away to start anew"
             )
-        if theirs != asked:
-            had = ", ".join(f"{name} (md5 {md5})" for name, md5 in sorted(theirs.items())) or "no suites"
-            wanted = ", ".join(f"{name} (md5 {md5})" for name, md5 in sorted(asked.items())) or "no suites"
+        if theirs.keys() != asked.keys() or not all(_same(theirs[name], asked[name]) for name in asked):
+            had = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(theirs.items())) or "no suites"
+            wanted = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(asked.items())) or "no suites"
             raise SweepError(
                 f"{path}: {record['checkpoint']} was scored with {had}, this sweep asks for {wanted}; "
-                "one results file holds one set of suites: pass the same --suite options and files, "
+                "one results file holds one set of suites: pass the same --suite and --columns options and files, "
                 "or move the file away to start anew"
             )
+
+
+def _identity(what: Any) -> tuple[str | None, str | None]:
+    """(md5, fingerprint) of a ``Benchmark`` or of a record's ``benchmark`` dict (fingerprint None in older records)."""
+    if isinstance(what, dict):
+        return what.get("md5"), what.get("fingerprint")
+    return what.md5, what.fingerprint
+
+
+def _same(theirs: tuple[str | None, str | None], ours: tuple[str | None, str | None]) -> bool:
+    return theirs == ours if theirs[1] is not None else theirs[0] in (None, ours[0])
+
+
+def _describe(identity: tuple[str | None, str | None]) -> str:
+    md5, fingerprint = identity
+    return f"md5 {md5}, fingerprint {fingerprint}" if fingerprint else f"md5 {md5}"
 
 
 def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:

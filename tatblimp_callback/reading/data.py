@@ -12,7 +12,10 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
+
+from . import identity
 
 HUB_REPO_ID = "ilchats/TatBLiMP"
 HUB_FILENAME = "test.jsonl"
@@ -93,6 +96,12 @@ class Benchmark:
     selection: str | None = None
     """Set when only some of the file's pairs are kept (``select``): which ones, e.g. "first 5 pairs of each
     phenomenon"; results of such a benchmark are partial."""
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What was scored: the file's bytes (md5) and every pair kept, in order (``identity.fingerprint``); it
+        differs for a selection, a subset built by hand and another column mapping of the same bytes."""
+        return identity.fingerprint(self.md5, self.pairs)
 
     @property
     def official(self) -> bool:

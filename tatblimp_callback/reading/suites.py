@@ -59,6 +59,8 @@ class Suite(Benchmark):
 
     name: str = ""
     left_out: tuple[dict, ...] = ()
+    columns: dict[str, str] | None = None
+    """The column mapping the pairs were read with (None: the known fields); part of what was scored."""
 
     @property
     def release(self) -> str:
@@ -156,7 +158,9 @@ def load_suite(name: str, source: str | os.PathLike, columns: dict[str, str] | N
             IDENTICAL,
             ", ".join(f"{entry['file']}:{entry['line']}" for entry in left_out),
         )
-    return Suite(pairs=tuple(pairs), source=str(path), md5=digest.hexdigest(), name=name, left_out=tuple(left_out))
+    return Suite(
+        pairs=tuple(pairs), source=str(path), md5=digest.hexdigest(), name=name, left_out=tuple(left_out), columns=columns
+    )
 
 
 def _records(raw: bytes, file: Path):

@@ -101,6 +101,8 @@ class Results:
         bytes: UTF-8 bytes over all sentences.
         truncated_sentences: sentences cut to the model's context (with ``truncate``).
         selection: which pairs were scored when not all (``--limit``, ``--phenomena``); None: all.
+        benchmark_fingerprint: what was scored, the bytes and the pairs (``identity.fingerprint``).
+        benchmark_columns: a suite's column mapping; None: the known fields.
         run_info: how it was computed: the scoring method, seconds, padding and prefix sharing, retries, model.
         left_out: a suite's pairs that could not be scored (``{"file", "line", "reason"}``); None: not a suite.
         suites: the results of the other suites scored in the same pass, by name.
@@ -133,6 +135,8 @@ class Results:
     suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
     # Per-pair token log-probs, texts and edit spans (``token_results.PairTokens``), when asked for.
     pair_tokens: list[Any] | None = None
+    benchmark_fingerprint: str = ""
+    benchmark_columns: dict[str, str] | None = None
 
     @property
     def acc(self) -> float:
@@ -193,7 +197,7 @@ class Results:
             "tokens": self.tokens,
             "bytes": self.bytes,
             "tokens_per_byte": self.tokens / max(self.bytes, 1),
-            "benchmark": {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source},
+            "benchmark": self._benchmark_dict(),
             "tokenizer": self.tokenizer,
             "phenomena": {name: group.to_dict() for name, group in self.phenomena.items()},
             "subtypes": {name: group.to_dict() for name, group in self.subtypes.items()},
@@ -204,6 +208,14 @@ class Results:
             **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
         return record if self.pair_tokens is None else add_token_fields(record, self.pair_tokens)
+
+    def _benchmark_dict(self) -> dict[str, Any]:
+        identity = {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source}
+        if self.benchmark_fingerprint:
+            identity["fingerprint"] = self.benchmark_fingerprint
+        if self.benchmark_columns is not None:
+            identity["columns"] = dict(self.benchmark_columns)
+        return identity
 
     def suite_dict(self) -> dict[str, Any]:
         """``to_dict`` of a suite's results, with its ``left_out`` pairs (the run's facts stay at the top level)."""
@@ -331,6 +343,8 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
         truncated_sentences=len(cache.truncated),
         selection=cache.benchmark_selection,
         run_info=dict(run_info or {}),
+        benchmark_fingerprint=cache.benchmark_fingerprint,
+        benchmark_columns=cache.benchmark_columns,
     )
 
 

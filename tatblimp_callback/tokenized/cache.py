@@ -56,6 +56,8 @@ class SentenceCache:
     benchmark_md5: str
     benchmark_release: str
     benchmark_selection: str | None = None  # which pairs of the file, when not all (``Benchmark.select``)
+    benchmark_fingerprint: str = ""  # what was scored: bytes and pairs (``identity.fingerprint``)
+    benchmark_columns: dict[str, str] | None = None  # a suite's column mapping (None: the known fields)
     truncated: list[int] = field(default_factory=list)  # sentences cut to fit the model's context
     # Forced choice: the answer tokens whose log-probs are read after each prompt; empty: every next token is read.
     answer_ids: tuple[int, ...] = ()
@@ -150,6 +152,8 @@ class SentenceCache:
             "benchmark_md5": self.benchmark_md5,
             "benchmark_release": self.benchmark_release,
             "benchmark_selection": self.benchmark_selection,
+            "benchmark_fingerprint": self.benchmark_fingerprint,
+            "benchmark_columns": self.benchmark_columns,
             "truncated": list(self.truncated),
             "answer_ids": list(self.answer_ids),
             "prompt": self.prompt,
@@ -162,10 +166,9 @@ _TENSOR_FIELDS = ("token_ids", "offsets", "byte_lengths", "phenomenon_index", "s
 
 
 def cache_fingerprint(benchmark: Benchmark, tokenizer: Any, prefix_token_id: int) -> str:
-    """Identifies the (data, tokenizer, prefix) a cache was built from."""
-    key = f"{CACHE_FORMAT}:{benchmark.md5}:{tokenizer_fingerprint(tokenizer)}:{prefix_token_id}"
-    if benchmark.selection:  # a subset of the file's pairs (--limit, --phenomena) is another cache
-        key += f":{benchmark.selection}"
+    """Identifies the (data, tokenizer, prefix) a cache was built from; the data by ``Benchmark.fingerprint``
+    (bytes, column mapping and selection alike)."""
+    key = f"{CACHE_FORMAT}:{benchmark.fingerprint}:{tokenizer_fingerprint(tokenizer)}:{prefix_token_id}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -244,6 +247,8 @@ def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts
         benchmark_md5=benchmark.md5,
         benchmark_release=benchmark.release,
         benchmark_selection=benchmark.selection,
+        benchmark_fingerprint=benchmark.fingerprint,
+        benchmark_columns=getattr(benchmark, "columns", None),
         sentences=benchmark.sentences,
         **fields,
     )
