@@ -147,6 +147,18 @@ class Benchmark:
         selection = "; ".join(filter(None, [self.selection, *what]))
         return replace(self, pairs=tuple(kept), selection=f"{selection} ({len(kept)} of {len(self.pairs)} pairs)")
 
+    def pick(self, indices: Sequence[int]) -> Benchmark:
+        """The pairs at ``indices`` (in that order), with a ``selection`` that names them: a subset never claims
+        to be the whole file (its ``fingerprint`` is its own too)."""
+        indices = list(indices)
+        shown = ", ".join(f"#{i}" for i in indices[:10]) + (", ..." if len(indices) > 10 else "")
+        what = f"pairs {shown} ({len(indices)} of {len(self.pairs)} pairs)"
+        return replace(
+            self,
+            pairs=tuple(self.pairs[i] for i in indices),
+            selection=f"{self.selection}; {what}" if self.selection else what,
+        )
+
     @property
     def phenomena(self) -> list[str]:
         """Phenomenon names in order of first appearance."""
