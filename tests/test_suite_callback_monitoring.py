@@ -1,7 +1,9 @@
-"""A suite's metric selecting the best model while ``suite_every`` skips the suite at some evaluations."""
+"""The callback with ``suites=`` in real Trainer runs: a suite's metric selecting the best model while ``suite_every``
+skips the suite at some evaluations; a scoring error that repeats, said once (#30)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -54,3 +56,16 @@ def test_a_suite_metric_for_best_model_with_suite_every_trains_to_the_end(
     best_step = 2 if measured[2] == best else 4
     assert trainer.state.best_metric == best and trainer.state.best_global_step == best_step
     assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
+
+
+def test_a_repeated_error_with_suites_gets_one_traceback(bpe_tokenizer, small_data, blimp, tmp_path, caplog):
+    cb = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2, suites={"blimp": blimp}, suite_every=2)
+    model = tiny_llama(len(bpe_tokenizer), max_position_embeddings=16)  # shorter than the sentences: every evaluation fails
+    trainer = make_trainer(model, bpe_tokenizer, tmp_path, [cb], max_steps=4, max_grad_norm=1.0)
+    with caplog.at_level(logging.ERROR):
+        trainer.train()
+    assert cb.failures == 3 and trainer.state.global_step == 4
+    with_traceback = [r.getMessage() for r in caplog.records if "Traceback" in r.getMessage()]
+    # Before: a traceback at every evaluation (the error log was keyed by a new functools.partial each time).
+    assert len(with_traceback) == 1 and "cannot score this model" in with_traceback[0]
+    assert sum("(as before)" in r.getMessage() for r in caplog.records) == 3
