@@ -184,3 +184,21 @@ def test_sweep_with_suites_scores_them_as_score_does_and_refuses_other_suites(
     assert main(["sweep", str(run), *other, *suites, "--interval", "0.1", "--no-progress"]) == 1
     assert f"checkpoint-10 was scored on md5 {lines[0]['benchmark']['md5']}, fingerprint" in capsys.readouterr().err
     assert len((run / "tatblimp.jsonl").read_text().splitlines()) == 2
+
+
+def test_suites_only_takes_limit_and_phenomena_and_is_marked_partial(model_dirs, tmp_path):
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name in ("passive_1", "adjunct_island"):
+        lines = (SHARED / "blimp" / "data" / f"{name}.jsonl").read_text(encoding="utf-8").split("\n")[:20]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "limited.json"
+    common = ["score", str(model_dirs[0]), "--device", "cpu", "--suites-only", "--suite", f"blimp={folder}"]
+    assert main([*common, "--limit", "3", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    # Before: all 40 pairs scored, not marked partial.
+    assert record["n"] == 6 and record["partial"] and record["selection"].startswith("first 3 pairs of each phenomenon")
+    assert {name: group["n"] for name, group in record["phenomena"].items()} == {"island_effects": 3, "argument_structure": 3}
+    assert main([*common, "--phenomena", "island_effects", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["n"] == 20 and list(record["phenomena"]) == ["island_effects"] and record["partial"]

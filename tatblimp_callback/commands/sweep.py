@@ -259,7 +259,7 @@ def check_same_files(records: list[dict[str, Any]], benchmark: Any, suites: dict
             raise SweepError(
                 f"{path}: {record['checkpoint']} was scored on {_describe(_identity(record['benchmark']))}, "
                 f"this sweep reads {benchmark.source} ({_describe(ours)}); one results file holds one benchmark: "
-                "pass the same --data (and --limit, --phenomena), or move the file away to start anew"
+                "pass the same --data, or move the file away to start anew"
             )
         if theirs.keys() != asked.keys() or not all(_same(theirs[name], asked[name]) for name in asked):
             had = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(theirs.items())) or "no suites"
