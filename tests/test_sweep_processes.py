@@ -168,3 +168,15 @@ def test_a_device_map_is_refused_on_several_processes(run_template, one_pair_eac
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; refused before any process group is joined
     with pytest.raises(ValueError, match="device_map spreads one model over every device: sweep on one process"):
         sweep(run_template, SweepOptions(data=str(one_pair_each), allow_modified=True, device_map="auto"))
+
+
+def test_a_watching_sweep_calls_a_failed_checkpoint_failed_not_already_scored(run_template, one_pair_each, tmp_path, capsys):
+    from tatblimp_callback.cli import main
+
+    run = shutil.copytree(run_template, tmp_path / "run")
+    command = ["sweep", str(run), "--data", str(one_pair_each), "--allow-modified", "--no-progress"]
+    assert main([*command, "--watch", "--max-wait", "1", "--interval", "0.1"]) == 1
+    captured = capsys.readouterr()
+    # Before: "3 checkpoint(s) scored, 1 already in ...": the failed one counted among those in tatblimp.jsonl.
+    assert f"3 checkpoint(s) scored, 0 already in {run / 'tatblimp.jsonl'}, 1 failed" in captured.out
+    assert len(lines(run / "tatblimp.jsonl")) == 3

@@ -309,7 +309,8 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                 # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
                 settle = not options.watch and not settled and any(has_weights(c.path) for c in pending)
                 poll = ([c for c in ready if c.name not in done], [c.name for c in pending], settle)
-                report.skipped = sorted({c.name for c in ready if c.name in done} - set(report.scored))
+                # In the results file before this call: not scored now, nor failed now (``done`` holds those too).
+                report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed})
             todo, report.incomplete, settle = processes.from_first(poll)
             if settle:
                 settled = True
