@@ -26,6 +26,7 @@ from typing import Any
 from ..reading.jsonl import read_complete_lines
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from ..results.records_file import append_record
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .loading import add_model_arguments
@@ -164,10 +165,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _append_record(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    append_record(path, record, sync=True)
 
 
 class _WandbLogger:
