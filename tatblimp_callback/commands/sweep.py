@@ -380,7 +380,7 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
 def add_sweep_parser(commands) -> None:
     """Add ``tatblimp sweep`` to the CLI's sub-commands."""
     parser = commands.add_parser("sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl")
-    parser.add_argument("run_dir", help="folder with checkpoint-<step> (or other *<step>) sub-folders")
+    parser.add_argument("run_dir", help="folder with checkpoint-<step> (or step_<step>, ckpt<step>, ...) sub-folders")
     add_model_arguments(parser)
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
     add_suite_arguments(parser, suites_only=False)
