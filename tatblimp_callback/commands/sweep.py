@@ -323,10 +323,11 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
             for mine in processes.rounds(todo):
                 outcome = score_or_failure(scorer, mine) if mine is not None else None
                 outcomes = processes.gather((mine, outcome))
-                if not first:
-                    continue
-                for checkpoint, (kind, value) in sorted((o for o in outcomes if o[0] is not None), key=lambda o: o[0].step):
-                    if kind == "scored":
+                stop = None
+                for checkpoint, (kind, value) in sorted((o for o in outcomes or () if o[0] is not None), key=lambda o: o[0].step):
+                    if kind == "stop":  # written after the round's other checkpoints, then every process stops
+                        stop = stop or value["error"]
+                    elif kind == "scored":
                         _append_record(results_path, value)
                         records.append(value)
                         done.add(checkpoint.name)
@@ -344,7 +345,11 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                     else:
                         report.vanished.append(checkpoint.name)
                         logger.warning("tatblimp: %s was deleted before it could be scored", checkpoint.name)
-                    bar.update(1)
+                    if kind != "stop":
+                        bar.update(1)
+                stop = processes.from_first(stop)
+                if stop is not None:
+                    raise SweepError(stop)
                 last_new = time.monotonic()
             stop = not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait)
             if processes.from_first(stop):
