@@ -100,6 +100,8 @@ class Results:
         tokens: scored tokens over all sentences (the prefix token excluded).
         bytes: UTF-8 bytes over all sentences.
         truncated_sentences: sentences cut to the model's context (with ``truncate``).
+        same_token_pairs: pairs whose two sentences the tokenizer turns into the same token ids (flagged, not
+            left out: acc ties there, acc_norm goes by the byte counts).
         selection: which pairs were scored when not all (``--limit``, ``--phenomena``); None: all.
         benchmark_fingerprint: what was scored, the bytes and the pairs (``identity.fingerprint``).
         benchmark_columns: a suite's column mapping; None: the known fields.
@@ -128,6 +130,7 @@ class Results:
     tokens: int  # scored tokens over all sentences
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
+    same_token_pairs: list[int] = field(default_factory=list)
     selection: str | None = None  # which pairs were scored when not all (--limit, --phenomena); None: all
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
     # A suite's pairs that could not be scored, left out of every metric: {"file", "line", "reason"}; None: not a suite.
@@ -193,6 +196,7 @@ class Results:
             "partial": self.partial,
             "selection": self.selection,
             "truncated_sentences": self.truncated_sentences,
+            "same_token_pairs": list(self.same_token_pairs),
             "bits_per_byte_good": self.bits_per_byte_good,
             "tokens": self.tokens,
             "bytes": self.bytes,
@@ -280,6 +284,11 @@ class Results:
             )
         if self.truncated_sentences:
             lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
+        if self.same_token_pairs:
+            lines.append(
+                f"WARNING: {len(self.same_token_pairs)} pairs have the same token ids for both sentences (acc ties, "
+                "acc_norm by byte counts); see same_token_pairs in the JSON"
+            )
         if self.left_out:
             reasons = sorted({entry["reason"] for entry in self.left_out})
             lines.append(f"{len(self.left_out)} pairs left out of the metrics ({'; '.join(reasons)}); see left_out in the JSON")
@@ -341,6 +350,7 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
         tokens=int(tokens.sum()),
         bytes=int(byte_lengths.sum()),
         truncated_sentences=len(cache.truncated),
+        same_token_pairs=list(cache.same_token_pairs),
         selection=cache.benchmark_selection,
         run_info=dict(run_info or {}),
         benchmark_fingerprint=cache.benchmark_fingerprint,
