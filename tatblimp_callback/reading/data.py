@@ -1,8 +1,11 @@
 """Loading TatBLiMP (and BLiMP-family) minimal-pair files.
 
 A benchmark file is JSON Lines, one pair a line. TatBLiMP uses the fields ``good``, ``bad``,
-``phenomenon`` and an optional ``subtype``; BLiMP and TurBLiMP use ``sentence_good`` /
-``sentence_bad`` with the phenomenon in ``phenomenon``, ``linguistics_term`` or ``UID``.
+``phenomenon`` and an optional ``subtype``; the other suites' fields are known too (``SENTENCE_FIELDS``:
+BLiMP's ``sentence_good``/``sentence_bad``, TurBLiMP's, MultiBLiMP's), with the phenomenon in
+``phenomenon`` or ``linguistics_term`` and the subtype in ``subtype`` or ``UID``. These field lists are
+the one place the field names live: ``suites.py`` reads by them too, so one file gets the same labels
+through ``load_benchmark`` and ``load_suite``.
 """
 
 from __future__ import annotations
@@ -64,8 +67,15 @@ OFFICIAL_ORDER = (
     "numeral_noun_number",
 )
 
-_SENTENCE_FIELDS = (("good", "bad"), ("sentence_good", "sentence_bad"))
-_PHENOMENON_FIELDS = ("phenomenon", "linguistics_term", "UID")
+# (good, bad) field names of TatBLiMP and the released suites, tried in this order.
+SENTENCE_FIELDS = (
+    ("good", "bad"),
+    ("sentence_good", "sentence_bad"),
+    ("good_sentence", "bad_sentence"),
+    ("sen", "wrong_sen"),
+)
+PHENOMENON_FIELDS = ("phenomenon", "linguistics_term")
+SUBTYPE_FIELDS = ("subtype", "UID")
 
 
 class BenchmarkError(ValueError):
@@ -224,7 +234,7 @@ def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             raise BenchmarkError(f"{name}:{number}: empty line inside the file")
-        pairs.append(_parse_line(line, f"{name}:{number}"))
+        pairs.append(_parse_line(line, f"{name}:{number}", Path(name).stem))
     if not pairs:
         raise BenchmarkError(f"{name}: the file holds no pairs")
     return pairs
@@ -239,19 +249,23 @@ def decode_utf8(raw: bytes, name: str) -> str:
         raise BenchmarkError(f"{name}:{line}: bytes that are not UTF-8 ({err.reason} at byte {err.start})") from None
 
 
-def _parse_line(line: str, where: str) -> Pair:
+def _parse_line(line: str, where: str, stem: str) -> Pair:
     record = json_record(line, where)
-    keys = next(((g, b) for g, b in _SENTENCE_FIELDS if g in record or b in record), _SENTENCE_FIELDS[0])
+    keys = next(((g, b) for g, b in SENTENCE_FIELDS if g in record or b in record), SENTENCE_FIELDS[0])
     good, bad = (required_string(record, key, where) for key in keys)
     if good == bad:
         raise BenchmarkError(f"{where}: the good and bad sentences are identical")
-    field = next((f for f in _PHENOMENON_FIELDS if f in record), "phenomenon")
-    phenomenon = required_string(record, field, where)
-    subtype = record.get("subtype")
+    field = next((f for f in PHENOMENON_FIELDS if f in record), None)
+    if field is None and keys != SENTENCE_FIELDS[0]:  # another suite's line without one: the file's name, as suites.py does
+        phenomenon = stem
+    else:
+        phenomenon = required_string(record, field or "phenomenon", where)
+    subtype_field = next((f for f in SUBTYPE_FIELDS if f in record), "subtype")
+    subtype = record.get(subtype_field)
     if subtype is not None and not isinstance(subtype, str):
-        raise BenchmarkError(f"{where}: field 'subtype' must be a string or null, got {type(subtype).__name__}")
+        raise BenchmarkError(f"{where}: field '{subtype_field}' must be a string or null, got {type(subtype).__name__}")
     if subtype is not None:
-        check_unicode(subtype, "subtype", where)
+        check_unicode(subtype, subtype_field, where)
     return Pair(good=good, bad=bad, phenomenon=phenomenon, subtype=subtype)
 
 
