@@ -3,6 +3,7 @@ compared by the tokenized cache, by ``sweep``'s refusal to mix files and by ``pa
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,3 +109,21 @@ def test_a_suites_flips_get_its_sentences_from_a_file_with_a_mapping_or_a_folder
         line = {k: v for k, v in record["suites"][name].items() if k != "pairs"}  # a sweep's or history's suite record
         assert pair_sentences(line) == [(p.good, p.bad) for p in suite.pairs], name  # before: None
         assert pair_sentences(line, suite.source) == [(p.good, p.bad) for p in suite.pairs], name
+
+
+def test_compare_refuses_pair_by_pair_the_same_bytes_read_two_ways_and_names_columns_for_runs(
+    bpe_tokenizer, model, small_data, two_columns, tmp_path
+):
+    from tatblimp_callback.commands.compare import format_text
+    from tatblimp_callback.results.comparison import compare_runs
+    from tatblimp_callback.results.runs import CompareError, load_runs
+
+    paths = []
+    for name, mapping in (("ab", AB), ("ba", BA), ("ab2", AB)):
+        record = evaluate(model, bpe_tokenizer, load_suite("own", two_columns, mapping)).to_dict()
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(CompareError, match="cover different pairs"):  # before: the same md5, so compared pair by pair
+        compare_runs(load_runs([paths[0], paths[1]]))
+    text = format_text(compare_runs(load_runs([paths[0], paths[2]])))
+    assert "only ab  only ab2" in text and "baseline only" not in text  # the columns named for the runs

@@ -20,7 +20,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from ..commands.compare import compare_runs, comparison_rows, paired_rows
+from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.flips import Flips, flips, pair_sentences, sweep_flips
 from ..results.runs import Run, load_runs, read_outcomes, shared_suites, suite_run
@@ -124,8 +124,7 @@ def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, 
 
 def _tests_table(tests, metric: str, before: str, after: str) -> str:
     """The paired tests of ``metric``, their columns named for what is compared (two runs, or two steps)."""
-    header = ["group", "n", f"only {before}", f"only {after}", "difference", "p", "p (BH)", "significant"]
-    return _table(header, paired_rows(tests, metric))
+    return _table(paired_header(before, after), paired_rows(tests, metric))
 
 
 def check_steps(runs: Sequence[Run], steps: tuple[int, int] | None) -> None:
