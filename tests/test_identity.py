@@ -127,3 +127,25 @@ def test_compare_refuses_pair_by_pair_the_same_bytes_read_two_ways_and_names_col
         compare_runs(load_runs([paths[0], paths[1]]))
     text = format_text(compare_runs(load_runs([paths[0], paths[2]])))
     assert "only ab  only ab2" in text and "baseline only" not in text  # the columns named for the runs
+
+
+def test_explains_subset_names_itself_instead_of_claiming_the_whole_file(bpe_tokenizer, model, small_data, monkeypatch):
+    from tatblimp_callback.commands.explain import score_pairs
+    from tatblimp_callback.evaluation import Evaluator
+
+    benchmark = load_benchmark(small_data, allow_modified=True)
+    picked = benchmark.pick([7, 3])
+    assert [p.good for p in picked.pairs] == [benchmark.pairs[7].good, benchmark.pairs[3].good]
+    assert picked.selection == "pairs #7, #3 (2 of 48 pairs)" and picked.fingerprint != benchmark.fingerprint
+    seen = []
+    real_init = Evaluator.__init__
+
+    def spy(self, tokenizer, data, **options):
+        seen.append(data)
+        real_init(self, tokenizer, data, **options)
+
+    monkeypatch.setattr(Evaluator, "__init__", spy)
+    details = score_pairs(model, bpe_tokenizer, benchmark, [7, 3])
+    # Before: a subset holding the whole file's md5 and no selection (its results were not partial).
+    assert seen[0].selection == picked.selection and seen[0].fingerprint == picked.fingerprint
+    assert details[7][0].good == benchmark.pairs[7].good
