@@ -140,3 +140,17 @@ def test_the_legend_of_three_runs_stays_inside_its_chart(tmp_path):
             last_legend = legends.nth(2).bounding_box()
             assert last_legend["y"] + last_legend["height"] <= curve["y"] or last_legend["x"] > curve["x"] + curve["width"]
         browser.close()
+
+
+def test_a_suite_of_other_files_in_two_runs_is_shown_side_by_side(bpe_tokenizer, small_data, blimp, tmp_path):
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    lines = (blimp / "passive_1.jsonl").read_text(encoding="utf-8").split("\n")
+    (edited / "passive_1.jsonl").write_text("\n".join(lines[1:]), encoding="utf-8")
+    one = history(tmp_path / "one.jsonl", (0, 1), bpe_tokenizer, small_data, allow_modified=True, suites={"blimp": blimp})
+    two = history(tmp_path / "two.jsonl", (2,), bpe_tokenizer, small_data, allow_modified=True, suites={"blimp": edited})
+    html = build_report(load_runs([one, two]))  # TatBLiMP's sections as ever, and the suite's without paired tests
+    section = html.split('data-suite="blimp">Suite blimp</h2>', 1)[1]
+    assert "Not compared pair by pair: the results were scored on different benchmark files" in section
+    assert "two against one (baseline), pair by pair" in html.split("Suite blimp")[0]
+    assert "pair by pair</h2>" not in section and "Side by side" in section

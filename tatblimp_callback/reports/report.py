@@ -23,7 +23,7 @@ from typing import Any
 from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.flips import Flips, flips, pair_sentences, sweep_flips
-from ..results.runs import Run, load_runs, read_outcomes, shared_suites, suite_run
+from ..results.runs import CompareError, Run, load_runs, read_outcomes, shared_suites, suite_run
 from ..results.scored_pairs import scored_benchmark
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
@@ -236,7 +236,11 @@ def build_report(
         # A suite scored less often (suite_every) may lack the steps asked for: its own first and last then.
         own_steps = steps if steps and not _lacks_steps(suite_runs, steps) else None
         sentences = pair_sentences(suite_runs[0].record, None)
-        body += _sections(suite_runs, own_steps, sentences, None, threshold, paired and len(runs) > 1, f"{name}-")
+        try:
+            body += _sections(suite_runs, own_steps, sentences, None, threshold, paired and len(runs) > 1, f"{name}-")
+        except CompareError as err:  # the runs scored other files of this suite: side by side, and why
+            body.append(f'<p class="meta">Not compared pair by pair: {escape(str(err))}</p>')
+            body += _sections(suite_runs, own_steps, sentences, None, threshold, False, f"{name}-")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
