@@ -90,7 +90,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
 
     suites = suites_from_args(args)
     if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
-        benchmark = suites.pop(next(iter(suites)))
+        benchmark = suites.pop(next(iter(suites))).select(args.limit, args.phenomena)
     else:
         benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
     source, tokenizer, model = load_from_args(args, model_dir)

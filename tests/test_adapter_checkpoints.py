@@ -70,3 +70,23 @@ def test_without_peft_an_adapter_checkpoint_says_what_to_install(lora_run, small
     assert main(["score", str(lora_run[1]), "--data", str(small_data), "--allow-modified", "--device", "cpu"]) == 1
     error = capsys.readouterr().err
     assert "PEFT adapter" in error and "pip install peft" in error and "checkpoint-2" in error
+
+
+def test_an_adapter_checkpoint_is_placed_by_the_device_map_asked_for(
+    lora_run, bpe_tokenizer, small_data, tmp_path, capsys, monkeypatch
+):
+    _, checkpoint, model = lora_run
+    # peft (0.x, PeftModel._update_offload) writes its renamed copy of disk-offloaded weights at their path made
+    # relative to the working folder: run where that copy does no harm.
+    monkeypatch.chdir(tmp_path)
+    expected = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
+    half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+    out, offload = tmp_path / "score.json", tmp_path / "offload"
+    command = ["score", str(checkpoint), "--data", str(small_data), "--allow-modified", "--output", str(out)]
+    command += ["--device-map", "auto", "--max-memory", f"cpu={half}", "--offload-folder", str(offload)]
+    assert main(command) == 0, capsys.readouterr().err
+    scored = json.loads(out.read_text(encoding="utf-8"))
+    # Before: the base model loaded whole onto one device; the map, the memory limit and the offload folder dropped.
+    assert "disk" in scored["device"].split(",")  # the safetensors checkpoint: accelerate reads the disk part from it
+    assert max(abs(a["good_logprob"] - b.good_logprob) for a, b in zip(scored["pairs"], expected.pairs)) < 1e-4
+    assert scored["acc_norm"] == expected.acc_norm

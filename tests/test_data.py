@@ -63,13 +63,28 @@ def test_blimp_field_names(tmp_path):
         {"sentence_good": "A b c.", "sentence_bad": "A c b.", "UID": "word_order_x"},
         {"sentence_good": "D e.", "sentence_bad": "D f.", "linguistics_term": "agreement", "UID": "agr_1"},
         {"sentence_good": "G h.", "sentence_bad": "H g.", "phenomenon": "binding"},
+        {"sen": "I j.", "wrong_sen": "J i.", "phenomenon": "order"},  # MultiBLiMP's fields, as suites.py reads them
     ]
     pairs = load_benchmark(write_pairs(tmp_path / "blimp.jsonl", records), allow_modified=True).pairs
-    assert [(p.good, p.bad, p.phenomenon) for p in pairs] == [
-        ("A b c.", "A c b.", "word_order_x"),
-        ("D e.", "D f.", "agreement"),
-        ("G h.", "H g.", "binding"),
+    # UID is a subtype (BLiMP's 67 paradigms of 13 phenomena), as suites.py takes it; without a phenomenon
+    # field a BLiMP line's phenomenon is the file's name, as there.
+    assert [(p.good, p.bad, p.phenomenon, p.subtype) for p in pairs] == [
+        ("A b c.", "A c b.", "blimp", "word_order_x"),
+        ("D e.", "D f.", "agreement", "agr_1"),
+        ("G h.", "H g.", "binding", None),
+        ("I j.", "J i.", "order", None),
     ]
+
+
+def test_one_file_gets_the_same_labels_through_load_benchmark_and_load_suite():
+    from conftest import SHARED
+    from tatblimp_callback.reading.suites import load_suite
+
+    path = SHARED / "blimp" / "data" / "adjunct_island.jsonl"
+    as_benchmark, as_suite = load_benchmark(path, allow_modified=True), load_suite("blimp", path)
+    # Before: load_benchmark took UID for nothing (no subtype), load_suite as the subtype.
+    assert as_benchmark.pairs == as_suite.pairs and len(as_suite.pairs) == 1000
+    assert {p.subtype for p in as_benchmark.pairs} == {"adjunct_island"} and as_benchmark.phenomena == ["island_effects"]
 
 
 @pytest.mark.parametrize(

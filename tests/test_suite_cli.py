@@ -160,22 +160,45 @@ def test_sweep_with_suites_scores_them_as_score_does_and_refuses_other_suites(
     shutil.copytree(model_dirs[0], run / "checkpoint-30")
     assert main(["sweep", str(run), *common, "--suite", f"blimp={suite_folder}", "--interval", "0.1", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    blimp_md5, mine_md5 = (lines[0]["suites"][name]["benchmark"]["md5"] for name in ("blimp", "mine"))
-    assert (
-        f"checkpoint-10 was scored with blimp (md5 {blimp_md5}), mine (md5 {mine_md5}), this sweep asks for blimp (md5 {blimp_md5})"
-        in err
+    blimp_id, mine_id = (
+        "md5 {md5}, fingerprint {fingerprint}".format(**lines[0]["suites"][name]["benchmark"]) for name in ("blimp", "mine")
     )
+    assert f"checkpoint-10 was scored with blimp ({blimp_id}), mine ({mine_id}), this sweep asks for blimp ({blimp_id})" in err
     # The same names on an edited file are other suites too: known by md5, not by name.
     edited = tmp_path / "edited.csv"
     edited.write_bytes(own_csv.read_bytes() + "3;Мин килдем.;Мин килдең.\n".encode())
     edited_suites = [*suites[:3], f"mine={edited}", *suites[4:]]
     assert main(["sweep", str(run), *common, *edited_suites, "--interval", "0.1", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert f"mine (md5 {mine_md5}), this sweep asks for blimp (md5 {blimp_md5}), mine (md5 " in err
+    assert f"mine ({mine_id}), this sweep asks for blimp ({blimp_id}), mine (md5 " in err
+    # And so are the same files read with another column mapping (#30: the md5 alone let it through).
+    swapped = [*suites[:5], "mine:good=BAD,bad=OK"]
+    assert main(["sweep", str(run), *common, *swapped, "--interval", "0.1", "--no-progress"]) == 1
+    assert f"mine ({mine_id}), this sweep asks for blimp ({blimp_id}), mine (md5 {mine_id[4:36]}, fingerprint " in (
+        capsys.readouterr().err
+    )
     # And so is another TatBLiMP file.
     other_data = tmp_path / "other.jsonl"
     other_data.write_bytes(small_data.read_bytes().splitlines(keepends=True)[0] * 2)
     other = ["--data", str(other_data), *common[2:]]
     assert main(["sweep", str(run), *other, *suites, "--interval", "0.1", "--no-progress"]) == 1
-    assert f"checkpoint-10 was scored on the benchmark file with md5 {lines[0]['benchmark']['md5']}" in capsys.readouterr().err
+    assert f"checkpoint-10 was scored on md5 {lines[0]['benchmark']['md5']}, fingerprint" in capsys.readouterr().err
     assert len((run / "tatblimp.jsonl").read_text().splitlines()) == 2
+
+
+def test_suites_only_takes_limit_and_phenomena_and_is_marked_partial(model_dirs, tmp_path):
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name in ("passive_1", "adjunct_island"):
+        lines = (SHARED / "blimp" / "data" / f"{name}.jsonl").read_text(encoding="utf-8").split("\n")[:20]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "limited.json"
+    common = ["score", str(model_dirs[0]), "--device", "cpu", "--suites-only", "--suite", f"blimp={folder}"]
+    assert main([*common, "--limit", "3", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    # Before: all 40 pairs scored, not marked partial.
+    assert record["n"] == 6 and record["partial"] and record["selection"].startswith("first 3 pairs of each phenomenon")
+    assert {name: group["n"] for name, group in record["phenomena"].items()} == {"island_effects": 3, "argument_structure": 3}
+    assert main([*common, "--phenomena", "island_effects", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["n"] == 20 and list(record["phenomena"]) == ["island_effects"] and record["partial"]

@@ -168,3 +168,34 @@ def test_a_device_map_is_refused_on_several_processes(run_template, one_pair_eac
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; refused before any process group is joined
     with pytest.raises(ValueError, match="device_map spreads one model over every device: sweep on one process"):
         sweep(run_template, SweepOptions(data=str(one_pair_each), allow_modified=True, device_map="auto"))
+
+
+def test_a_watching_sweep_calls_a_failed_checkpoint_failed_not_already_scored(run_template, one_pair_each, tmp_path, capsys):
+    from tatblimp_callback.cli import main
+
+    run = shutil.copytree(run_template, tmp_path / "run")
+    command = ["sweep", str(run), "--data", str(one_pair_each), "--allow-modified", "--no-progress"]
+    assert main([*command, "--watch", "--max-wait", "1", "--interval", "0.1"]) == 1
+    captured = capsys.readouterr()
+    # Before: "3 checkpoint(s) scored, 1 already in ...": the failed one counted among those in tatblimp.jsonl.
+    assert f"3 checkpoint(s) scored, 0 already in {run / 'tatblimp.jsonl'}, 1 failed" in captured.out
+    assert len(lines(run / "tatblimp.jsonl")) == 3
+
+
+@pytest.mark.slow
+def test_a_process_that_stops_the_sweep_leaves_the_rounds_other_checkpoints_written(tmp_path, bpe_tokenizer, one_pair_each):
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoint-10", bpe_tokenizer, 10)
+    tiny_llama(len(bpe_tokenizer), seed=20).save_pretrained(run / "checkpoint-20")  # no tokenizer here, nor in the run
+    (run / "checkpoint-20" / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
+    arguments = ["sweep", "run", "--data", str(one_pair_each), "--allow-modified", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).parents[1])}
+    try:  # before: process 0 waited for process 1's outcome, which never came (a 24-hour round timeout)
+        done = subprocess.run(
+            [*TORCHRUN, "-m", "tatblimp_callback", *arguments], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the sweep hung when one process stopped it")
+    assert done.returncode != 0 and "no tokenizer files" in done.stderr, done.stderr[-3000:]
+    # The round's other checkpoint, scored by process 0, is written before the sweep stops.
+    assert [r["checkpoint"] for r in lines(run / "tatblimp.jsonl")] == ["checkpoint-10"]

@@ -31,6 +31,7 @@ from typing import Any
 from ..reading.data import Benchmark, load_benchmark
 from ..reading.jsonl import read_complete_lines
 from ..results.provenance import provenance
+from ..results.records_file import open_for_append
 from .forced_choice import (
     DEFAULT_PROMPT,
     ORDERS,
@@ -303,10 +304,8 @@ def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
 
 
 def _open_results(path: Path, header: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    sink = path.open("a", encoding="utf-8")
-    if new:
+    sink = open_for_append(path)  # a partial last line of a killed run cut off first
+    if path.stat().st_size == 0:
         sink.write(json.dumps(header, ensure_ascii=False) + "\n")
         sink.flush()
     return sink

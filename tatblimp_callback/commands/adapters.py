@@ -31,8 +31,12 @@ def adapter_base_model(folder: str | os.PathLike) -> str | None:
     return base if isinstance(base, str) and base else None
 
 
-def load_adapter_model(folder: str | os.PathLike, dtype):
+def load_adapter_model(folder: str | os.PathLike, dtype, **options):
     """The adapter in ``folder`` on its base model, as a ``peft.PeftModel`` (CPU; ``dtype``: a torch dtype or "auto").
+
+    ``options``: the base model's ``from_pretrained`` keyword arguments (``placement.from_pretrained_options``),
+    which peft hands on to it: ``device_map`` ("auto", "balanced", "sequential"), ``max_memory`` and
+    ``offload_folder`` place the base model and the adapter's weights beside their layers.
 
     Raises:
         ImportError: peft is not installed.
@@ -47,4 +51,4 @@ def load_adapter_model(folder: str | os.PathLike, dtype):
         ) from None
     if adapter_base_model(folder) is None:
         raise FileNotFoundError(f"{folder}/{ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
-    return AutoPeftModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    return AutoPeftModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **options)

@@ -106,14 +106,17 @@ def _files_key(source: Path) -> str:
 
 
 def score_or_failure(scorer: CheckpointScorer, checkpoint: Checkpoint) -> tuple[str, dict[str, Any] | None]:
-    """("scored", record), ("failed", {"error", "process"}) or ("vanished", None): scored on this process alone."""
+    """("scored", record), ("failed", {"error", "process"}), ("vanished", None) or ("stop", {"error"}): scored on this
+    process alone. "stop" is a ``SweepError`` (the run's, not the checkpoint's: no tokenizer anywhere), handed to
+    process 0 like the other outcomes, so that the round's other checkpoints are written before the sweep stops and
+    no process waits for this one."""
     from ..engine import distributed
 
     try:
         with distributed.this_process_only():
             return "scored", scorer.score(checkpoint)
-    except SweepError:
-        raise  # the run's, not the checkpoint's (no tokenizer anywhere): the sweep stops
+    except SweepError as error:
+        return "stop", {"error": str(error)}
     except Exception as error:  # one bad checkpoint must not end the sweep, nor leave the other processes waiting
         if not checkpoint.path.exists():
             # The Trainer's save_total_limit deleted it while we waited or loaded: nothing to score.

@@ -1,8 +1,10 @@
 """The checkpoints of a training run's folder, and when each is complete enough to read.
 
-Checkpoints are the sub-folders of a run folder whose name ends in a step number (the Trainer's
-``checkpoint-<step>``, or ``step_1000``, ``ckpt42``, ...) and that hold a ``config.json``, or a PEFT
-adapter's ``adapter_config.json`` (scored on its base model, see ``adapters``).
+Checkpoints are the sub-folders of a run folder named as a checkpoint (the Trainer's ``checkpoint-<step>``,
+or ``step_1000``, ``ckpt42``, ``global_step500``, ``iter_0300``, or the step alone, ``1000``) that hold a
+``config.json``, or a PEFT adapter's ``adapter_config.json`` (scored on its base model, see ``adapters``).
+Other model folders of a run, ``export_fp16`` or ``merged_v2``, end in digits that are not steps: they
+are not swept (a warning names them).
 
 A checkpoint is read only once it is complete: when its ``trainer_state.json`` exists (the
 Trainer writes it after the weights), or else when it holds a weights file (``model.safetensors``,
@@ -12,6 +14,7 @@ stayed the same between two polls ``interval`` seconds apart.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -19,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .adapters import ADAPTER_WEIGHTS, is_adapter_folder
+
+logger = logging.getLogger(__name__)
+_warned: set[Path] = set()  # a watching sweep polls every few seconds: each such folder is named once
 
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS_FILES = (
@@ -28,7 +34,8 @@ WEIGHTS_FILES = (
     "pytorch_model.bin.index.json",
     *ADAPTER_WEIGHTS,
 )
-_STEP_NAME = re.compile(r"^(?:.*\D)?(\d+)$")
+_STEP_NAME = re.compile(r"^(?:(?:checkpoint|ckpt|step|global[-_]?step|iter|iteration)[-_]?)?(\d+)$", re.IGNORECASE)
+_ENDS_IN_DIGITS = re.compile(r"\d$")
 _CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 
 
@@ -47,15 +54,24 @@ class Checkpoint:
 
 
 def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
-    """Sub-folders of ``run_dir`` named with a trailing step number and holding a ``config.json`` (or a PEFT
-    adapter's ``adapter_config.json``), by step."""
+    """Sub-folders of ``run_dir`` named as checkpoints (``checkpoint-<step>``, ``step_<step>``, ...) and holding a
+    ``config.json`` (or a PEFT adapter's ``adapter_config.json``), by step."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise SweepError(f"{run_dir}: not a folder")
     by_step: dict[int, Path] = {}
     for child in sorted(run_dir.iterdir()):
+        if not child.is_dir() or not ((child / "config.json").is_file() or is_adapter_folder(child)):
+            continue
         match = _STEP_NAME.match(child.name)
-        if not match or not child.is_dir() or not ((child / "config.json").is_file() or is_adapter_folder(child)):
+        if not match:
+            if _ENDS_IN_DIGITS.search(child.name) and child not in _warned:
+                _warned.add(child)
+                logger.warning(
+                    "tatblimp: %s holds a model, but its name is not a checkpoint's (checkpoint-<step>, step_<step>, "
+                    "ckpt<step>, ...): not swept",
+                    child,
+                )
             continue
         step = int(match.group(1))
         if step in by_step:

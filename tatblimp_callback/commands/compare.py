@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from ..results.comparison import Comparison, compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
-from ..results.stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
+from ..results.stats import ALPHA, METRICS
 from .checkpoints import step_of
 from .outputs import check_output_file, say, write_text
 
@@ -40,63 +40,6 @@ __all__ = [
     "plot_comparison",
     "to_json",
 ]
-
-
-@dataclass
-class Comparison:
-    """Runs, their baseline and the paired tests of every other run against it (empty without ``paired``)."""
-
-    runs: list[Run]
-    baseline: Run
-    tests: dict[str, list[PairedTest]]  # run label -> tests
-    threshold: float = DEFAULT_THRESHOLD
-    use_lower_bound: bool = False
-
-    def significant(self, run: Run, metric: str, group: str) -> bool:
-        return any(t.metric == metric and t.group == group and t.significant for t in self.tests.get(run.label, []))
-
-
-def compare_runs(
-    runs: list[Run],
-    baseline: str | None = None,
-    paired: bool = True,
-    threshold: float = DEFAULT_THRESHOLD,
-    use_lower_bound: bool = False,
-) -> Comparison:
-    """Test every run against the baseline (label ``baseline``, else the first run) pair by pair.
-
-    With ``paired`` the runs must be scored on one benchmark file (md5) and carry per-pair outcomes.
-    """
-    if baseline is None:
-        base = runs[0]
-    else:
-        matches = [run for run in runs if run.label == baseline]
-        if not matches:
-            raise CompareError(f"--baseline {baseline}: no such run (labels: {', '.join(run.label for run in runs)})")
-        base = matches[0]
-    tests: dict[str, list[PairedTest]] = {}
-    if paired:
-        md5s = {run.label: run.record.get("benchmark", {}).get("md5") for run in runs}
-        if len(set(md5s.values())) > 1 or None in md5s.values():
-            listed = ", ".join(f"{label}: {md5}" for label, md5 in md5s.items())
-            raise CompareError(
-                f"the results were scored on different benchmark files (md5 {listed}); their pairs cannot be compared "
-                "pair by pair (--no-paired shows them side by side)"
-            )
-        selections = {run.label: run.record.get("selection") for run in runs}  # --limit, --phenomena
-        if len(set(selections.values())) > 1:
-            listed = ", ".join(f"{label}: {selection or 'all pairs'}" for label, selection in selections.items())
-            raise CompareError(
-                f"the results cover different pairs ({listed}); they cannot be compared pair by pair "
-                "(--no-paired shows them side by side)"
-            )
-        for run in runs:
-            if run is not base:
-                try:
-                    tests[run.label] = paired_tests(base.outcomes, run.outcomes)
-                except ValueError as err:
-                    raise CompareError(f"{run.label} against {base.label}: {err}") from None
-    return Comparison(runs, base, tests, threshold, use_lower_bound)
 
 
 def to_json(comparison: Comparison) -> dict[str, Any]:
@@ -156,80 +99,10 @@ def format_flips_text(comparison: Comparison, data: str | None = None) -> str:
 # -- tables ---------------------------------------------------------------------------------------
 
 
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
-    return str(value)
-
-
-def _fmt_p(p: float) -> str:
-    return f"{p:.1e}" if p < 0.01 else f"{p:.3f}"
-
-
-def comparison_rows(comparison: Comparison) -> tuple[list[list[str]], list[list[str]]]:
-    """(metric rows, acquisition rows); each row is the name then one cell per run.
-
-    Accuracy cells show the 95% interval and a ``*`` where the run differs from the baseline at 0.05
-    (BH-adjusted for phenomena). Acquisition rows are empty when no run is a sweep; a run that is not
-    a sweep shows ``n/a``.
-    """
-    runs = comparison.runs
-    phenomena: dict[str, None] = {}
-    for run in runs:
-        phenomena.update(dict.fromkeys(run.record["phenomena"]))
-
-    def cell(run: Run, group: dict[str, Any], metric: str, name: str) -> str:
-        text = _fmt(group.get(metric))
-        if group.get(f"{metric}_ci") is not None:
-            text += " " + format_interval(group[f"{metric}_ci"])
-        return text + (" *" if comparison.significant(run, metric, name) else "")
-
-    metrics = [
-        ["step"] + [_fmt(run.record.get("step")) for run in runs],
-        ["acc"] + [cell(run, run.record, "acc", "overall") for run in runs],
-        ["acc_norm"] + [cell(run, run.record, "acc_norm", "overall") for run in runs],
-        ["bits/byte (good)"] + [_fmt(run.record.get("bits_per_byte_good"), 3) for run in runs],
-        ["tokens/byte"] + [_fmt(run.record.get("tokens_per_byte")) for run in runs],
-    ]
-    for name in phenomena:
-        metrics.append([name] + [cell(run, run.record["phenomena"].get(name, {}), "acc_norm", name) for run in runs])
-    acquisition: list[list[str]] = []
-    if any(run.is_sweep for run in runs):
-        steps = [run.acquisition(comparison.threshold, comparison.use_lower_bound) for run in runs]
-        for name in phenomena:
-            acquisition.append(
-                [name]
-                + [("never" if s.get(name) is None else str(s[name])) if run.is_sweep else "n/a" for run, s in zip(runs, steps)]
-            )
-    return metrics, acquisition
-
-
-PAIRED_HEADER = ["group", "n", "baseline only", "run only", "difference", "p", "p (BH)", "significant"]
-
-
-def paired_rows(tests: list[PairedTest], metric: str) -> list[list[str]]:
-    """One metric's paired tests as table rows (``PAIRED_HEADER``)."""
+def _paired_sections(comparison: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
+    base = comparison.baseline.label
     return [
-        [
-            t.group,
-            str(t.n),
-            str(t.baseline_only),
-            str(t.run_only),
-            f"{t.difference:+.4f}" if t.n else "nan",
-            _fmt_p(t.p_value),
-            _fmt_p(t.p_adjusted),
-            "*" if t.significant else "",
-        ]
-        for t in tests
-        if t.metric == metric
-    ]
-
-
-def _paired_sections(comparison: Comparison) -> list[tuple[str, list[list[str]]]]:
-    return [
-        (f"paired, {metric}: {label} against {comparison.baseline.label} (baseline)", paired_rows(tests, metric))
+        (f"paired, {metric}: {label} against {base} (baseline)", paired_header(base, label), paired_rows(tests, metric))
         for label, tests in comparison.tests.items()
         for metric in METRICS
     ]
@@ -278,8 +151,8 @@ def format_text(runs: list[Run] | Comparison, threshold: float = DEFAULT_THRESHO
     if acquisition:
         rows += [[_acquired_title(comparison)] + [""] * len(comparison.runs), *[[f"  {r[0]}", *r[1:]] for r in acquisition]]
     lines = _text_table(rows, (0, 5, len(metrics)) if acquisition else (0, 5))
-    for title, table in _paired_sections(comparison):
-        lines += ["", title, *_text_table([PAIRED_HEADER, *table], (0, 1))]
+    for title, header, table in _paired_sections(comparison):
+        lines += ["", title, *_text_table([header, *table], (0, 1))]
     return "\n".join(lines + _notes(comparison))
 
 
@@ -298,8 +171,8 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
         what = "its 95% lower bound" if comparison.use_lower_bound else "acc_norm"
         lines += ["", f"### Acquisition step (first step with {what} >= {comparison.threshold} through the last evaluation)", ""]
         lines += table(["phenomenon", *labels], acquisition)
-    for title, rows in _paired_sections(comparison):
-        lines += ["", f"### {title[0].upper()}{title[1:]}", "", *table(PAIRED_HEADER, rows)]
+    for title, header, rows in _paired_sections(comparison):
+        lines += ["", f"### {title[0].upper()}{title[1:]}", "", *table(header, rows)]
     notes = _notes(comparison)
     if notes:
         lines += ["", *notes]

@@ -51,7 +51,7 @@ def score_pairs(
     indices = list(dict.fromkeys(indices))
     if not indices:
         return {}
-    subset = Benchmark(pairs=tuple(benchmark.pairs[i] for i in indices), source=benchmark.source, md5=benchmark.md5)
+    subset = benchmark.pick(indices)
     results = Evaluator(tokenizer, subset, include_tokens=True, allow_modified=True, **options)(model)
     return {index: (results.pairs[k], results.pair_tokens[k]) for k, index in enumerate(indices)}
 

@@ -87,8 +87,12 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
 
     folder = check_folder_or_hub_id(name_or_path, "model")
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    if folder is not None and is_adapter_folder(folder):  # a LoRA checkpoint: loaded on its base model
-        return load_adapter_model(folder, torch_dtype).to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+    if folder is not None and is_adapter_folder(folder):  # a LoRA checkpoint: loaded on its base model, placed as asked
+        options = from_pretrained_options(**placement)
+        model = load_adapter_model(folder, torch_dtype, **options)
+        if "device_map" in options:
+            return model.eval()  # placed by accelerate's dispatch (peft's, for the adapter's weights)
+        return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     if folder is not None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
     if folder is not None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..reading.jsonl import read_complete_lines
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from ..results.records_file import append_record
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .loading import add_model_arguments
@@ -166,10 +167,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _append_record(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    append_record(path, record, sync=True)
 
 
 class _WandbLogger:
@@ -245,31 +243,50 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
 
 
 def check_same_files(records: list[dict[str, Any]], benchmark: Any, suites: dict[str, Any], path: Path) -> None:
-    """Refuse to append records scored on other files than ``benchmark`` and ``suites`` to ``path``'s records.
+    """Refuse to append records scored on other pairs than ``benchmark``'s and ``suites``' to ``path``'s records.
 
-    A results file holds one benchmark file and one set of suites, each known by its md5: a suite
-    of the same name read from edited files would otherwise mix two suites in one curve.
+    A results file holds one benchmark and one set of suites, each known by its fingerprint
+    (``identity.fingerprint``: the bytes, the column mapping and the selection): a suite of the same name
+    read from edited files, or the same files read with another ``--columns``, would otherwise mix two
+    suites in one curve. Records written before fingerprints are compared by md5.
 
     Raises:
-        SweepError: a record of ``path`` was scored on another TatBLiMP file, or on other suites (by name or md5).
+        SweepError: a record of ``path`` was scored on other TatBLiMP pairs, or on other suites (by name or fingerprint).
     """
-    asked = {name: suite.md5 for name, suite in suites.items()}
+    asked = {name: _identity(suite) for name, suite in suites.items()}
+    ours = _identity(benchmark)
     for record in records:
-        theirs = {name: suite.get("benchmark", {}).get("md5") for name, suite in record.get("suites", {}).items()}
-        if record.get("benchmark", {}).get("md5", benchmark.md5) != benchmark.md5:
+        theirs = {name: _identity(suite.get("benchmark", {})) for name, suite in record.get("suites", {}).items()}
+        if not _same(_identity(record.get("benchmark", {})), ours):
             raise SweepError(
-                f"{path}: {record['checkpoint']} was scored on the benchmark file with md5 {record['benchmark']['md5']}, "
-                f"this sweep reads {benchmark.source} (md5 {benchmark.md5}); one results file holds one benchmark: "
+                f"{path}: {record['checkpoint']} was scored on {_describe(_identity(record['benchmark']))}, "
+                f"this sweep reads {benchmark.source} ({_describe(ours)}); one results file holds one benchmark: "
                 "pass the same --data, or move the file away to start anew"
             )
-        if theirs != asked:
-            had = ", ".join(f"{name} (md5 {md5})" for name, md5 in sorted(theirs.items())) or "no suites"
-            wanted = ", ".join(f"{name} (md5 {md5})" for name, md5 in sorted(asked.items())) or "no suites"
+        if theirs.keys() != asked.keys() or not all(_same(theirs[name], asked[name]) for name in asked):
+            had = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(theirs.items())) or "no suites"
+            wanted = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(asked.items())) or "no suites"
             raise SweepError(
                 f"{path}: {record['checkpoint']} was scored with {had}, this sweep asks for {wanted}; "
-                "one results file holds one set of suites: pass the same --suite options and files, "
+                "one results file holds one set of suites: pass the same --suite and --columns options and files, "
                 "or move the file away to start anew"
             )
+
+
+def _identity(what: Any) -> tuple[str | None, str | None]:
+    """(md5, fingerprint) of a ``Benchmark`` or of a record's ``benchmark`` dict (fingerprint None in older records)."""
+    if isinstance(what, dict):
+        return what.get("md5"), what.get("fingerprint")
+    return what.md5, what.fingerprint
+
+
+def _same(theirs: tuple[str | None, str | None], ours: tuple[str | None, str | None]) -> bool:
+    return theirs == ours if theirs[1] is not None else theirs[0] in (None, ours[0])
+
+
+def _describe(identity: tuple[str | None, str | None]) -> str:
+    md5, fingerprint = identity
+    return f"md5 {md5}, fingerprint {fingerprint}" if fingerprint else f"md5 {md5}"
 
 
 def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
@@ -294,7 +311,8 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                 # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
                 settle = not options.watch and not settled and any(has_weights(c.path) for c in pending)
                 poll = ([c for c in ready if c.name not in done], [c.name for c in pending], settle)
-                report.skipped = sorted({c.name for c in ready if c.name in done} - set(report.scored))
+                # In the results file before this call: not scored now, nor failed now (``done`` holds those too).
+                report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed})
             todo, report.incomplete, settle = processes.from_first(poll)
             if settle:
                 settled = True
@@ -309,10 +327,11 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
             for mine in processes.rounds(todo):
                 outcome = score_or_failure(scorer, mine) if mine is not None else None
                 outcomes = processes.gather((mine, outcome))
-                if not first:
-                    continue
-                for checkpoint, (kind, value) in sorted((o for o in outcomes if o[0] is not None), key=lambda o: o[0].step):
-                    if kind == "scored":
+                stop = None
+                for checkpoint, (kind, value) in sorted((o for o in outcomes or () if o[0] is not None), key=lambda o: o[0].step):
+                    if kind == "stop":  # written after the round's other checkpoints, then every process stops
+                        stop = stop or value["error"]
+                    elif kind == "scored":
                         _append_record(results_path, value)
                         records.append(value)
                         done.add(checkpoint.name)
@@ -330,7 +349,11 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                     else:
                         report.vanished.append(checkpoint.name)
                         logger.warning("tatblimp: %s was deleted before it could be scored", checkpoint.name)
-                    bar.update(1)
+                    if kind != "stop":
+                        bar.update(1)
+                stop = processes.from_first(stop)
+                if stop is not None:
+                    raise SweepError(stop)
                 last_new = time.monotonic()
             stop = not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait)
             if processes.from_first(stop):
@@ -366,7 +389,7 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
 def add_sweep_parser(commands) -> None:
     """Add ``tatblimp sweep`` to the CLI's sub-commands."""
     parser = commands.add_parser("sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl")
-    parser.add_argument("run_dir", help="folder with checkpoint-<step> (or other *<step>) sub-folders")
+    parser.add_argument("run_dir", help="folder with checkpoint-<step> (or step_<step>, ckpt<step>, ...) sub-folders")
     add_model_arguments(parser)
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
     add_suite_arguments(parser, suites_only=False)

@@ -36,6 +36,7 @@ from .model_checks import (
     check_weights_and_vocabulary,
     fit_to_context,
     forward_reads_position_ids,
+    input_device,
     tree_mask_dtype,
     unwrap_model,
     weight_fingerprint,
@@ -150,7 +151,8 @@ class Scorer:
     def serves(self, model: torch.nn.Module) -> bool:
         """Whether this scorer fits ``model`` as it is now: the same model, still on its cache's device and in its dtype."""
         weight = next(self.lm.parameters())
-        return model is self.model and weight.device == self.cache.device and weight.dtype == self._built_dtype
+        # input_device, not the first weight's: offloaded to disk (device_map) that weight is on the meta device.
+        return model is self.model and input_device(self.lm) == self.cache.device and weight.dtype == self._built_dtype
 
     @torch.no_grad()
     def score(self, sequences: range | list[int] | None = None) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Loading TatBLiMP (and BLiMP-family) minimal-pair files.
 
 A benchmark file is JSON Lines, one pair a line. TatBLiMP uses the fields ``good``, ``bad``,
-``phenomenon`` and an optional ``subtype``; BLiMP and TurBLiMP use ``sentence_good`` /
-``sentence_bad`` with the phenomenon in ``phenomenon``, ``linguistics_term`` or ``UID``.
+``phenomenon`` and an optional ``subtype``; the other suites' fields are known too (``SENTENCE_FIELDS``:
+BLiMP's ``sentence_good``/``sentence_bad``, TurBLiMP's, MultiBLiMP's), with the phenomenon in
+``phenomenon`` or ``linguistics_term`` and the subtype in ``subtype`` or ``UID``. These field lists are
+the one place the field names live: ``suites.py`` reads by them too, so one file gets the same labels
+through ``load_benchmark`` and ``load_suite``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
+
+from . import identity
 
 HUB_REPO_ID = "ilchats/TatBLiMP"
 HUB_FILENAME = "test.jsonl"
@@ -61,8 +67,15 @@ OFFICIAL_ORDER = (
     "numeral_noun_number",
 )
 
-_SENTENCE_FIELDS = (("good", "bad"), ("sentence_good", "sentence_bad"))
-_PHENOMENON_FIELDS = ("phenomenon", "linguistics_term", "UID")
+# (good, bad) field names of TatBLiMP and the released suites, tried in this order.
+SENTENCE_FIELDS = (
+    ("good", "bad"),
+    ("sentence_good", "sentence_bad"),
+    ("good_sentence", "bad_sentence"),
+    ("sen", "wrong_sen"),
+)
+PHENOMENON_FIELDS = ("phenomenon", "linguistics_term")
+SUBTYPE_FIELDS = ("subtype", "UID")
 
 
 class BenchmarkError(ValueError):
@@ -101,6 +114,12 @@ class Benchmark:
     selection: str | None = None
     """Set when only some of the file's pairs are kept (``select``): which ones, e.g. "first 5 pairs of each
     phenomenon"; results of such a benchmark are partial."""
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What was scored: the file's bytes (md5) and every pair kept, in order (``identity.fingerprint``); it
+        differs for a selection, a subset built by hand and another column mapping of the same bytes."""
+        return identity.fingerprint(self.md5, self.pairs)
 
     @property
     def official(self) -> bool:
@@ -145,6 +164,18 @@ class Benchmark:
         what.append(f"phenomena {','.join(name for name in self.phenomena if name in phenomena)}" if phenomena else None)
         selection = "; ".join(filter(None, [self.selection, *what]))
         return replace(self, pairs=tuple(kept), selection=f"{selection} ({len(kept)} of {len(self.pairs)} pairs)")
+
+    def pick(self, indices: Sequence[int]) -> Benchmark:
+        """The pairs at ``indices`` (in that order), with a ``selection`` that names them: a subset never claims
+        to be the whole file (its ``fingerprint`` is its own too)."""
+        indices = list(indices)
+        shown = ", ".join(f"#{i}" for i in indices[:10]) + (", ..." if len(indices) > 10 else "")
+        what = f"pairs {shown} ({len(indices)} of {len(self.pairs)} pairs)"
+        return replace(
+            self,
+            pairs=tuple(self.pairs[i] for i in indices),
+            selection=f"{self.selection}; {what}" if self.selection else what,
+        )
 
     @property
     def phenomena(self) -> list[str]:
@@ -213,7 +244,7 @@ def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             raise BenchmarkError(f"{name}:{number}: empty line inside the file")
-        pairs.append(_parse_line(line, f"{name}:{number}"))
+        pairs.append(_parse_line(line, f"{name}:{number}", Path(name).stem))
     if not pairs:
         raise BenchmarkError(f"{name}: the file holds no pairs")
     return pairs
@@ -228,19 +259,23 @@ def decode_utf8(raw: bytes, name: str) -> str:
         raise BenchmarkError(f"{name}:{line}: bytes that are not UTF-8 ({err.reason} at byte {err.start})") from None
 
 
-def _parse_line(line: str, where: str) -> Pair:
+def _parse_line(line: str, where: str, stem: str) -> Pair:
     record = json_record(line, where)
-    keys = next(((g, b) for g, b in _SENTENCE_FIELDS if g in record or b in record), _SENTENCE_FIELDS[0])
+    keys = next(((g, b) for g, b in SENTENCE_FIELDS if g in record or b in record), SENTENCE_FIELDS[0])
     good, bad = (required_string(record, key, where) for key in keys)
     if good == bad:
         raise BenchmarkError(f"{where}: the good and bad sentences are identical")
-    field = next((f for f in _PHENOMENON_FIELDS if f in record), "phenomenon")
-    phenomenon = required_string(record, field, where)
-    subtype = record.get("subtype")
+    field = next((f for f in PHENOMENON_FIELDS if f in record), None)
+    if field is None and keys != SENTENCE_FIELDS[0]:  # another suite's line without one: the file's name, as suites.py does
+        phenomenon = stem
+    else:
+        phenomenon = required_string(record, field or "phenomenon", where)
+    subtype_field = next((f for f in SUBTYPE_FIELDS if f in record), "subtype")
+    subtype = record.get(subtype_field)
     if subtype is not None and not isinstance(subtype, str):
-        raise BenchmarkError(f"{where}: field 'subtype' must be a string or null, got {type(subtype).__name__}")
+        raise BenchmarkError(f"{where}: field '{subtype_field}' must be a string or null, got {type(subtype).__name__}")
     if subtype is not None:
-        check_unicode(subtype, "subtype", where)
+        check_unicode(subtype, subtype_field, where)
     return Pair(good=good, bad=bad, phenomenon=phenomenon, subtype=subtype)
 
 

@@ -2,8 +2,9 @@
 
 A line ends at ``"\\n"`` only: ``str.splitlines()`` also breaks at U+2028, U+2029, U+0085 and form
 feeds, which ``json.dumps(..., ensure_ascii=False)`` writes as they are inside strings. And a file
-appended to by a run that was killed mid-write may end in a partial line: that line is dropped (its
-record is written again by the run that resumes), so it never makes the whole file unreadable.
+appended to by a run that was killed mid-write (or being written now) may end in a partial line: that
+line is left out (its record is written again by the run that resumes), so it never makes the whole file
+unreadable. Reading never writes: the repair is the writer's (``results.records_file``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ def split_lines(text: str) -> list[str]:
 
 
 def read_complete_lines(path: str | os.PathLike) -> list[str]:
-    """The lines of the file at ``path``, after cutting a partial last line (one without its ``"\\n"``) off the file.
+    """The complete lines of the file at ``path``: a partial last line (one without its ``"\\n"``) is left out, and
+    the file is not touched (``results.records_file``, the one writer, cuts such a line off before it appends).
 
     Raises:
-        OSError: the file cannot be read, or cut.
+        OSError: the file cannot be read.
         UnicodeDecodeError: its complete lines are not UTF-8.
     """
     path = Path(path)
@@ -34,8 +36,9 @@ def read_complete_lines(path: str | os.PathLike) -> list[str]:
     if raw and not raw.endswith(b"\n"):
         kept = raw[: raw.rfind(b"\n") + 1]
         logger.warning(
-            "tatblimp: %s ended in a partial line (%d bytes, from an interrupted write); dropped", path, len(raw) - len(kept)
+            "tatblimp: %s ends in a partial line (%d bytes, an interrupted or ongoing write); left out",
+            path,
+            len(raw) - len(kept),
         )
-        path.write_bytes(kept)
         raw = kept
     return split_lines(raw.decode("utf-8"))

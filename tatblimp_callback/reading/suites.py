@@ -32,20 +32,24 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data import OFFICIAL_MD5, Benchmark, BenchmarkError, Pair, check_unicode, decode_utf8, json_record, parse_pairs
+from .data import (
+    OFFICIAL_MD5,
+    PHENOMENON_FIELDS,
+    SENTENCE_FIELDS,
+    SUBTYPE_FIELDS,
+    Benchmark,
+    BenchmarkError,
+    Pair,
+    check_unicode,
+    decode_utf8,
+    json_record,
+    parse_pairs,
+)
 
 logger = logging.getLogger(__name__)
 
 SUITE_SUFFIXES = (".jsonl", ".csv", ".tsv")
-# (good, bad) field names of the released suites, tried in this order.
-SENTENCE_FIELDS = (
-    ("good", "bad"),
-    ("sentence_good", "sentence_bad"),
-    ("good_sentence", "bad_sentence"),
-    ("sen", "wrong_sen"),
-)
-PHENOMENON_FIELDS = ("phenomenon", "linguistics_term")
-SUBTYPE_FIELDS = ("subtype", "UID")
+# The field names (SENTENCE_FIELDS, PHENOMENON_FIELDS, SUBTYPE_FIELDS) are data.py's: one list for both readers.
 COLUMN_ROLES = ("good", "bad", "phenomenon", "subtype")
 IDENTICAL = "the good and bad sentences are identical"
 
@@ -59,6 +63,8 @@ class Suite(Benchmark):
 
     name: str = ""
     left_out: tuple[dict, ...] = ()
+    columns: dict[str, str] | None = None
+    """The column mapping the pairs were read with (None: the known fields); part of what was scored."""
 
     @property
     def release(self) -> str:
@@ -156,7 +162,9 @@ def load_suite(name: str, source: str | os.PathLike, columns: dict[str, str] | N
             IDENTICAL,
             ", ".join(f"{entry['file']}:{entry['line']}" for entry in left_out),
         )
-    return Suite(pairs=tuple(pairs), source=str(path), md5=digest.hexdigest(), name=name, left_out=tuple(left_out))
+    return Suite(
+        pairs=tuple(pairs), source=str(path), md5=digest.hexdigest(), name=name, left_out=tuple(left_out), columns=columns
+    )
 
 
 def _records(raw: bytes, file: Path):

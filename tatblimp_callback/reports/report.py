@@ -20,10 +20,11 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from ..commands.compare import compare_runs, comparison_rows, paired_rows
+from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.flips import Flips, flips, pair_sentences, sweep_flips
-from ..results.runs import Run, load_runs, read_outcomes
+from ..results.runs import CompareError, Run, load_runs, read_outcomes, shared_suites, suite_run
+from ..results.scored_pairs import scored_benchmark
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
 
@@ -121,19 +122,25 @@ def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, 
     return "".join(parts) + "</div>"
 
 
-def _tests_table(tests, metric: str) -> str:
-    return _table(
-        ["group", "n", "only before", "only after", "difference", "p", "p (BH)", "significant"], paired_rows(tests, metric)
-    )
+def _tests_table(tests, metric: str, before: str, after: str) -> str:
+    """The paired tests of ``metric``, their columns named for what is compared (two runs, or two steps)."""
+    return _table(paired_header(before, after), paired_rows(tests, metric))
+
+
+def check_steps(runs: Sequence[Run], steps: tuple[int, int] | None) -> None:
+    """``ValueError`` naming the run and its steps when a sweep among ``runs`` lacks one of ``steps`` (``--steps``)."""
+    for run in runs:
+        available = [r["step"] for r in run.records_up_to_step] if run.is_sweep else []
+        for step in steps or () if run.is_sweep else ():
+            if step not in available:
+                raise ValueError(f"{run.path}: no step {step} (steps: {', '.join(map(str, available))})")
 
 
 def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) -> str:
     """Paired tests and flips of one sweep between two of its steps (default: first and last)."""
+    check_steps([run], steps)
     available = [r["step"] for r in run.records_up_to_step]
     first, last = steps or (available[0], available[-1])
-    for step in (first, last):
-        if step not in available:
-            raise ValueError(f"{run.path}: no step {step} (steps: {', '.join(map(str, available))})")
     at = {r["step"]: r for r in run.records_up_to_step}  # the last record of a step scored twice
     before, after = (read_outcomes(at[s], f"{run.path} at step {s}") for s in (first, last))
     tests = paired_tests(before, after)
@@ -141,8 +148,9 @@ def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) 
     for metric in ("acc_norm", "acc"):
         flipped = flips(getattr(before, metric), getattr(after, metric))
         parts.append(_flip_block(run.label, str(first), str(last), metric, flipped, before.phenomena, sentences, details))
-    parts.append(f"<b>acc_norm, per phenomenon</b>{_tests_table(tests, 'acc_norm')}")
-    parts.append(f"<details><summary>acc, per phenomenon</summary>{_tests_table(tests, 'acc')}</details>")
+    names = (f"step {first}", f"step {last}")
+    parts.append(f"<b>acc_norm, per phenomenon</b>{_tests_table(tests, 'acc_norm', *names)}")
+    parts.append(f"<details><summary>acc, per phenomenon</summary>{_tests_table(tests, 'acc', *names)}</details>")
     return "".join(parts)
 
 
@@ -191,8 +199,11 @@ def build_report(
     details: Mapping[int, Any] | None = None,
     threshold: float = DEFAULT_THRESHOLD,
     title: str = "TatBLiMP report",
+    paired: bool = True,
 ) -> str:
-    """The HTML page (a string) for ``runs``; the first is the baseline of the paired tests.
+    """The HTML page (a string) for ``runs``; the first is the baseline of the paired tests. Every suite that all
+    the runs have (``score --suite``, ``sweep --suite``, the callback's ``suites=``) gets the same sections, as
+    ``compare`` compares each suite.
 
     Args:
         runs: results files read with ``runs.load_runs``.
@@ -201,10 +212,8 @@ def build_report(
         details: pair index -> (``PairResult``, ``PairTokens``) of the first run's model, shown token by token.
         threshold: the acc_norm that counts as acquired.
         title: the page title.
+        paired: test the runs against the first pair by pair (``--no-paired``: side by side only).
     """
-    sweeps = [run for run in runs if run.is_sweep]
-    sentences = pair_sentences(runs[0].record, data)
-    comparison = compare_runs(list(runs), threshold=threshold, paired=len(runs) > 1)
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     release = runs[0].record.get("benchmark", {}).get("release", "?")
     body = [f"<h1>{escape(title)}</h1>", f'<div class="meta">{escape(release)} · written {created} by tatblimp report</div>']
@@ -220,6 +229,39 @@ def build_report(
         for run in runs
     ]
     body.append(_table(["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer"], overview, "overview"))
+    body += _sections(runs, steps, pair_sentences(runs[0].record, data), details, threshold, paired and len(runs) > 1)
+    for name in shared_suites(list(runs)):
+        suite_runs = [suite_run(run, name) for run in runs]
+        body.append(f'<h2 class="suite" data-suite="{escape(name)}">Suite {escape(name)}</h2>')
+        # A suite scored less often (suite_every) may lack the steps asked for: its own first and last then.
+        own_steps = steps if steps and not _lacks_steps(suite_runs, steps) else None
+        sentences = pair_sentences(suite_runs[0].record, None)
+        try:
+            body += _sections(suite_runs, own_steps, sentences, None, threshold, paired and len(runs) > 1, f"{name}-")
+        except CompareError as err:  # the runs scored other files of this suite: side by side, and why
+            body.append(f'<p class="meta">Not compared pair by pair: {escape(str(err))}</p>')
+            body += _sections(suite_runs, own_steps, sentences, None, threshold, False, f"{name}-")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def _lacks_steps(runs: Sequence[Run], steps: tuple[int, int]) -> bool:
+    try:
+        check_steps(runs, steps)
+    except ValueError:
+        return True
+    return False
+
+
+def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, paired: bool, ids: str = "") -> list[str]:
+    """The curves, heatmap, side-by-side table, paired tests and flips of ``runs`` (TatBLiMP's, or one suite's);
+    ``ids``: what the chart ids start with, one page holding several sets of charts."""
+    sweeps = [run for run in runs if run.is_sweep]
+    comparison = compare_runs(list(runs), threshold=threshold, paired=paired)
+    body = []
     if sweeps:
         body.append("<h2>Overall accuracy over training</h2>")
         body.append(
@@ -230,7 +272,7 @@ def build_report(
                 [_series(r, f"tatblimp/{m}", PALETTE[k % len(PALETTE)]) for k, r in enumerate(sweeps)],
                 f"{m} (overall)",
                 threshold=threshold if m == "acc_norm" else None,
-                chart_id=f"curve-{m}",
+                chart_id=f"{ids}curve-{m}",
             )
             for m in ("acc_norm", "acc")
         ]
@@ -245,7 +287,7 @@ def build_report(
             marks = acquisition_steps(history, threshold)
             steps_shown = [e["step"] for e in history]
             maps.append(
-                f'<div class="scroll">{heatmap(names, steps_shown, values, run.label, chart_id=f"heatmap-{k}", marks=marks)}</div>'
+                f'<div class="scroll">{heatmap(names, steps_shown, values, run.label, chart_id=f"{ids}heatmap-{k}", marks=marks)}</div>'
             )
         body.append(f'<div class="row">{"".join(maps)}</div>')
     metrics, acquisition = comparison_rows(comparison)
@@ -264,7 +306,7 @@ def build_report(
         for metric in ("acc_norm", "acc"):
             flipped = flips(getattr(base.outcomes, metric), getattr(other.outcomes, metric))
             body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, sentences, None))
-        body.append(_tests_table(tests, "acc_norm"))
+        body.append(_tests_table(tests, "acc_norm", base.label, label))
     if sweeps:
         body.append("<h2>Pairs learned and lost during training</h2>")
         body.append(
@@ -279,11 +321,7 @@ def build_report(
         body += [_never_and_unstable(run, sentences, details if run is runs[0] else None) for run in sweeps]
     if sentences is None:
         body.append('<p class="meta">Sentences are not shown: the benchmark file was not found (tatblimp report --data).</p>')
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
-    )
+    return body
 
 
 def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Path:
@@ -311,39 +349,52 @@ def add_report_parser(commands) -> None:
         "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
     )
     parser.add_argument("--title", default="TatBLiMP report", help="the page title")
+    parser.add_argument(
+        "--no-paired",
+        dest="paired",
+        action="store_false",
+        help="side by side only: no paired tests between the runs (results of other benchmark files or selections)",
+    )
     add_model_arguments(parser)
     parser.set_defaults(run=run_report)
 
 
 def run_report(args: argparse.Namespace) -> None:
+    from ..commands.outputs import check_output_file
+
+    check_output_file(args.output, "--output")  # before the work: a typo must not cost a model load
     runs = load_runs(args.results)
+    steps = tuple(args.steps) if args.steps else None
+    check_steps(runs, steps)
     details = None
     if args.model:
         from ..commands.explain import score_pairs
         from ..commands.loading import load_from_args
-        from ..reading.data import load_benchmark
 
-        benchmark = load_benchmark(
-            args.data or runs[0].record.get("benchmark", {}).get("source"), allow_modified=args.allow_modified
-        )
-        if benchmark.md5 != runs[0].record.get("benchmark", {}).get("md5"):
-            raise ValueError(f"{benchmark.source} is not the benchmark file {runs[0].path} was scored on (md5 differs)")
+        benchmark = scored_benchmark(runs[0].record, args.data)  # the pairs scored: their selection, their mapping
+        if benchmark is None:
+            source = args.data or runs[0].record.get("benchmark", {}).get("source")
+            raise ValueError(
+                f"{source}: not the pairs {runs[0].path} was scored on (another file, selection or column mapping); "
+                "--model scores the pairs again: pass --data with the file they were scored on"
+            )
         _, tokenizer, model = load_from_args(args, args.model)  # every loader option of score (device map, ...)
         details = score_pairs(
             model,
             tokenizer,
             benchmark,
-            report_pairs(runs, args.steps),
+            report_pairs(runs, steps),
             prefix_token_id=args.prefix_token_id,
             truncate=args.truncate,
         )
     path = write_report(
         args.output,
         runs,
-        steps=tuple(args.steps) if args.steps else None,
+        steps=steps,
         data=args.data,
         details=details,
         threshold=args.threshold,
         title=args.title,
+        paired=args.paired,
     )
     print(f"wrote {path}")

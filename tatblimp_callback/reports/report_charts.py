@@ -50,6 +50,8 @@ def line_chart(
 ) -> str:
     """An SVG chart of accuracies (y from 0 to 1) over steps: lines with points, 95% bands, chance and threshold lines."""
     left, right, top, bottom = 46, 26, 28, 38  # right: room for half of the last step label, centred on its tick
+    legend = legend_layout([line.label[:30] for line in series], left + 8 + 7.5 * len(title), left, width - right)
+    top += LEGEND_ROW * max(row for _, row in legend or [(0, 0)])  # rows of legend below the title push the plot down
     steps = [s for line in series for s, _ in line.points]
     x_low, x_high = (min(steps), max(steps)) if steps else (0, 1)
     if x_high == x_low:
@@ -92,14 +94,28 @@ def line_chart(
                 f'<circle class="point" cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.6" fill="{line.color}">'
                 f"<title>{escape(line.label)} step {s}: {v:.4f}</title></circle>"
             )
-    x_legend = left + 8 + 7.5 * len(title)  # the legend, on the title's line: it never covers a curve
-    for line in series:
-        label = line.label[:30]
-        parts.append(f'<rect x="{x_legend:.0f}" y="7" width="10" height="10" fill="{line.color}"/>')
-        parts.append(f'<text x="{x_legend + 14:.0f}" y="16" class="legend">{escape(label)}</text>')
-        x_legend += 24 + 6.5 * len(label)
+    for line, (x_legend, row) in zip(series, legend):  # the legend, from the title's line on: it never covers a curve
+        parts.append(f'<rect x="{x_legend:.0f}" y="{7 + LEGEND_ROW * row}" width="10" height="10" fill="{line.color}"/>')
+        parts.append(f'<text x="{x_legend + 14:.0f}" y="{16 + LEGEND_ROW * row}" class="legend">{escape(line.label[:30])}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+LEGEND_ROW = 15  # pixels between two rows of legend
+LEGEND_CHAR = 6.5  # the width of a legend character, an estimate on the safe side for 11px system fonts
+
+
+def legend_layout(labels: Sequence[str], start: float, left: float, right: float) -> list[tuple[float, int]]:
+    """(x, row) of each legend entry (a 10px swatch, 4px, the label): on the title's row from ``start``, and
+    on new rows from ``left`` where an entry would pass ``right``, the plot's right edge."""
+    placed, x, row = [], start, 0
+    for label in labels:
+        extent = 14 + LEGEND_CHAR * len(label)
+        if x + extent > right and x > left:
+            x, row = left, row + 1
+        placed.append((x, row))
+        x += extent + 10
+    return placed
 
 
 def heat_color(value: float | None) -> str:

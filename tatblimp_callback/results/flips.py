@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .scored_pairs import scored_benchmark
 from .stats import OUTCOME_FAIL, OUTCOME_NOT_FINITE, OUTCOME_PASS, Outcomes
 
 __all__ = ["UNSTABLE_CHANGES", "Flips", "SweepFlips", "flips", "pair_sentences", "sweep_flips"]
@@ -86,24 +87,16 @@ def sweep_flips(outcomes: Sequence[Outcomes], metric: str = "acc_norm") -> dict[
 def pair_sentences(record: Mapping[str, Any], data: str | os.PathLike | None = None) -> list[tuple[str, str]] | None:
     """Each pair's (good, bad) sentences for a results record, or None when they cannot be found.
 
-    From the record's per-pair rows where they hold the sentences; else from the benchmark file
-    ``data`` (default: the record's ``benchmark.source``) if its md5 is the record's.
+    From the record's per-pair rows where they hold the sentences; else from the pairs it was scored on,
+    read again from ``data`` (default: the record's ``benchmark.source``; see ``scored_pairs``): the same
+    fingerprint, so a selection, a suite's column mapping or a suite folder give their own pairs, never
+    other pairs at the same indices.
     """
     pairs = record.get("pairs") or []
-    if pairs and all("good" in p and "bad" in p for p in pairs):
+    if pairs and all(p.get("good") and p.get("bad") for p in pairs):
         return [(p["good"], p["bad"]) for p in pairs]
-    from ..reading.data import BenchmarkError, load_benchmark
-
-    source = data or record.get("benchmark", {}).get("source")
-    if not source or not os.path.isfile(source):
-        return None
-    try:
-        benchmark = load_benchmark(source, allow_modified=True)
-    except BenchmarkError:
-        return None
-    if benchmark.md5 != record.get("benchmark", {}).get("md5"):
-        return None
-    return [(p.good, p.bad) for p in benchmark.pairs]
+    benchmark = scored_benchmark(record, data)
+    return None if benchmark is None else [(p.good, p.bad) for p in benchmark.pairs]
 
 
 def format_flips(

@@ -100,7 +100,11 @@ class Results:
         tokens: scored tokens over all sentences (the prefix token excluded).
         bytes: UTF-8 bytes over all sentences.
         truncated_sentences: sentences cut to the model's context (with ``truncate``).
+        same_token_pairs: pairs whose two sentences the tokenizer turns into the same token ids (flagged, not
+            left out: acc ties there, acc_norm goes by the byte counts).
         selection: which pairs were scored when not all (``--limit``, ``--phenomena``); None: all.
+        benchmark_fingerprint: what was scored, the bytes and the pairs (``identity.fingerprint``).
+        benchmark_columns: a suite's column mapping; None: the known fields.
         run_info: how it was computed: the scoring method, seconds, padding and prefix sharing, retries, model.
         left_out: a suite's pairs that could not be scored (``{"file", "line", "reason"}``); None: not a suite.
         suites: the results of the other suites scored in the same pass, by name.
@@ -126,6 +130,7 @@ class Results:
     tokens: int  # scored tokens over all sentences
     bytes: int  # UTF-8 bytes over all sentences
     truncated_sentences: int = 0
+    same_token_pairs: list[int] = field(default_factory=list)
     selection: str | None = None  # which pairs were scored when not all (--limit, --phenomena); None: all
     run_info: dict[str, Any] = field(default_factory=dict)  # how it was computed: method, seconds, retries, model, ...
     # A suite's pairs that could not be scored, left out of every metric: {"file", "line", "reason"}; None: not a suite.
@@ -133,6 +138,8 @@ class Results:
     suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
     # Per-pair token log-probs, texts and edit spans (``token_results.PairTokens``), when asked for.
     pair_tokens: list[Any] | None = None
+    benchmark_fingerprint: str = ""
+    benchmark_columns: dict[str, str] | None = None
 
     @property
     def acc(self) -> float:
@@ -189,11 +196,12 @@ class Results:
             "partial": self.partial,
             "selection": self.selection,
             "truncated_sentences": self.truncated_sentences,
+            "same_token_pairs": list(self.same_token_pairs),
             "bits_per_byte_good": self.bits_per_byte_good,
             "tokens": self.tokens,
             "bytes": self.bytes,
             "tokens_per_byte": self.tokens / max(self.bytes, 1),
-            "benchmark": {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source},
+            "benchmark": self._benchmark_dict(),
             "tokenizer": self.tokenizer,
             "phenomena": {name: group.to_dict() for name, group in self.phenomena.items()},
             "subtypes": {name: group.to_dict() for name, group in self.subtypes.items()},
@@ -204,6 +212,14 @@ class Results:
             **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
         return record if self.pair_tokens is None else add_token_fields(record, self.pair_tokens)
+
+    def _benchmark_dict(self) -> dict[str, Any]:
+        identity = {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source}
+        if self.benchmark_fingerprint:
+            identity["fingerprint"] = self.benchmark_fingerprint
+        if self.benchmark_columns is not None:
+            identity["columns"] = dict(self.benchmark_columns)
+        return identity
 
     def suite_dict(self) -> dict[str, Any]:
         """``to_dict`` of a suite's results, with its ``left_out`` pairs (the run's facts stay at the top level)."""
@@ -268,6 +284,11 @@ class Results:
             )
         if self.truncated_sentences:
             lines.append(f"WARNING: {self.truncated_sentences} sentences were cut to the model's context")
+        if self.same_token_pairs:
+            lines.append(
+                f"WARNING: {len(self.same_token_pairs)} pairs have the same token ids for both sentences (acc ties, "
+                "acc_norm by byte counts); see same_token_pairs in the JSON"
+            )
         if self.left_out:
             reasons = sorted({entry["reason"] for entry in self.left_out})
             lines.append(f"{len(self.left_out)} pairs left out of the metrics ({'; '.join(reasons)}); see left_out in the JSON")
@@ -329,8 +350,11 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
         tokens=int(tokens.sum()),
         bytes=int(byte_lengths.sum()),
         truncated_sentences=len(cache.truncated),
+        same_token_pairs=list(cache.same_token_pairs),
         selection=cache.benchmark_selection,
         run_info=dict(run_info or {}),
+        benchmark_fingerprint=cache.benchmark_fingerprint,
+        benchmark_columns=cache.benchmark_columns,
     )
 
 

@@ -15,6 +15,8 @@ import sys
 from datetime import datetime, timezone
 from typing import Any
 
+from ..engine.model_checks import unwrap_model
+
 
 def environment() -> dict[str, str]:
     """The versions of Python, torch, transformers and this library."""
@@ -38,13 +40,20 @@ def created() -> str:
 
 def model_placement(model: Any) -> dict[str, str | None]:
     """``dtype`` and ``device`` of the model's weights: the floating-point ones' dtype ("float32", "bfloat16";
-    several joined by ","), and the devices they are on ("cpu", "cuda:0"; several joined by ",")."""
+    several joined by ","), and the devices they are on ("cpu", "cuda:0"; several joined by ","). A model placed
+    by a ``device_map`` is where its map says ("disk" for weights offloaded there, which sit on the meta device
+    between forward calls); the dtype of such weights is the one they are stored in."""
+    import torch
+
     dtypes: dict[str, None] = {}
     devices: dict[str, None] = {}
     for parameter in model.parameters():
         if parameter.is_floating_point():
             dtypes.setdefault(str(parameter.dtype).removeprefix("torch."), None)
         devices.setdefault(str(parameter.device), None)
+    placed = getattr(unwrap_model(model), "hf_device_map", None)
+    if placed:
+        devices = dict.fromkeys(str(torch.device(d)) if isinstance(d, int) else str(d) for d in placed.values())
     return {"dtype": ",".join(dtypes) or None, "device": ",".join(devices) or None}
 
 

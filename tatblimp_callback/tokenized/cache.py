@@ -56,7 +56,12 @@ class SentenceCache:
     benchmark_md5: str
     benchmark_release: str
     benchmark_selection: str | None = None  # which pairs of the file, when not all (``Benchmark.select``)
+    benchmark_fingerprint: str = ""  # what was scored: bytes and pairs (``identity.fingerprint``)
+    benchmark_columns: dict[str, str] | None = None  # a suite's column mapping (None: the known fields)
     truncated: list[int] = field(default_factory=list)  # sentences cut to fit the model's context
+    # Pairs whose two sentences differ as text but not as token ids (a tokenizer that folds whitespace or
+    # compatibility characters): the model cannot tell them apart; acc ties, acc_norm goes by the byte counts.
+    same_token_pairs: list[int] = field(default_factory=list)
     # Forced choice: the answer tokens whose log-probs are read after each prompt; empty: every next token is read.
     answer_ids: tuple[int, ...] = ()
     prompt: str | None = None  # forced choice: the user message template and the system message
@@ -150,7 +155,10 @@ class SentenceCache:
             "benchmark_md5": self.benchmark_md5,
             "benchmark_release": self.benchmark_release,
             "benchmark_selection": self.benchmark_selection,
+            "benchmark_fingerprint": self.benchmark_fingerprint,
+            "benchmark_columns": self.benchmark_columns,
             "truncated": list(self.truncated),
+            "same_token_pairs": list(self.same_token_pairs),
             "answer_ids": list(self.answer_ids),
             "prompt": self.prompt,
             "system_prompt": self.system_prompt,
@@ -162,10 +170,9 @@ _TENSOR_FIELDS = ("token_ids", "offsets", "byte_lengths", "phenomenon_index", "s
 
 
 def cache_fingerprint(benchmark: Benchmark, tokenizer: Any, prefix_token_id: int) -> str:
-    """Identifies the (data, tokenizer, prefix) a cache was built from."""
-    key = f"{CACHE_FORMAT}:{benchmark.md5}:{tokenizer_fingerprint(tokenizer)}:{prefix_token_id}"
-    if benchmark.selection:  # a subset of the file's pairs (--limit, --phenomena) is another cache
-        key += f":{benchmark.selection}"
+    """Identifies the (data, tokenizer, prefix) a cache was built from; the data by ``Benchmark.fingerprint``
+    (bytes, column mapping and selection alike)."""
+    key = f"{CACHE_FORMAT}:{benchmark.fingerprint}:{tokenizer_fingerprint(tokenizer)}:{prefix_token_id}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -197,8 +204,23 @@ def build_cache(
 
     sentences = benchmark.sentences
     encoded = encode_sentences(tokenizer, sentences, prefix)
+    same = [i for i in range(len(benchmark.pairs)) if encoded[2 * i] == encoded[2 * i + 1]]
+    if same:
+        logger.warning(
+            "tatblimp: %s: %d pairs have two sentences with the same token ids (the tokenizer folds what differs), "
+            "so the model cannot tell them apart: acc ties, acc_norm goes by the byte counts; pairs %s",
+            benchmark.source,
+            len(same),
+            ", ".join(f"#{i}" for i in same[:20]) + (", ..." if len(same) > 20 else ""),
+        )
     cache = cache_from_token_lists(
-        encoded, benchmark, sentences, prefix_token_id=prefix, tokenizer_name=tokenizer_name(tokenizer), fingerprint=fingerprint
+        encoded,
+        benchmark,
+        sentences,
+        prefix_token_id=prefix,
+        tokenizer_name=tokenizer_name(tokenizer),
+        fingerprint=fingerprint,
+        same_token_pairs=same,
     )
     if cache_path is not None:
         save_or_warn(cache, cache_path)
@@ -244,6 +266,8 @@ def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts
         benchmark_md5=benchmark.md5,
         benchmark_release=benchmark.release,
         benchmark_selection=benchmark.selection,
+        benchmark_fingerprint=benchmark.fingerprint,
+        benchmark_columns=getattr(benchmark, "columns", None),
         sentences=benchmark.sentences,
         **fields,
     )

@@ -37,7 +37,7 @@ from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .in_loop import InLoopMonitor
-from .suite_schedule import check_suite_options
+from .suite_schedule import check_suite_options, missing_metric_placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -280,8 +280,8 @@ class TatBLiMPCallback(TrainerCallback):
         wanted = getattr(args, "metric_for_best_model", None)
         if self._monitor.is_our_metric(wanted) and not wanted.startswith("eval_"):
             wanted = f"eval_{wanted}"
-        if self._monitor.is_our_metric(wanted) and not self._monitor.has_results(metrics):
-            added[wanted] = float("nan")  # scoring failed: never the best, and training goes on
+        if self._monitor.is_our_metric(wanted):
+            added.update(missing_metric_placeholder(wanted, added))
         logs.update(added)
         if copy is not None:
             copy.update(added)

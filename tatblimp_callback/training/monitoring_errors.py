@@ -9,6 +9,7 @@ traceback again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import traceback
@@ -32,6 +33,7 @@ class ErrorLog:
         """Log ``error`` (the exception being handled); ``what`` says what failed and what happens now;
         ``source``: what raised it (a function), whose errors are compared with each other."""
         text = f"{type(error).__name__}: {error}"
+        source = _source(source)
         if text == self.last.get(source):
             logger.error("tatblimp: %s: %s (as before)", what, text)
             return
@@ -42,7 +44,15 @@ class ErrorLog:
 
     def succeeded(self, source: Any = None) -> None:
         """``source`` worked: its next error is logged with its traceback, even if it is the last one again."""
-        self.last.pop(source, None)
+        self.last.pop(_source(source), None)
+
+
+def _source(source: Any) -> Any:
+    """What a function is, for its errors: a ``functools.partial`` (the callback makes one per evaluation, with the
+    suites due) is the function it calls, or the same error would be news at every evaluation."""
+    while isinstance(source, functools.partial):
+        source = source.func
+    return source
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..reading.jsonl import read_complete_lines
 from ..results.metrics import Results
+from ..results.records_file import append_record
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +156,7 @@ class HistoryFile:
     def append(self, step: int, results: Results) -> None:
         # A suite's results are lines of their own history file.
         record = {"step": step, **{k: v for k, v in results.to_dict().items() if k not in ("pairs", "suites")}}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        append_record(self.path, record)
 
 
 def logged_copy(log_history: list[dict[str, Any]], logs: dict[str, Any]) -> dict[str, Any] | None:

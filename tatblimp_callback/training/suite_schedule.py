@@ -29,6 +29,14 @@ def suites_due(suites: dict[str, Any] | None, suite_every: int | dict[str, int],
     return [name for name in suites or {} if evaluation % every.get(name, 1) == 0]
 
 
+def missing_metric_placeholder(wanted: str, metrics: dict[str, float]) -> dict[str, float]:
+    """``{wanted: NaN}`` when this evaluation's ``metrics`` lack ``wanted``, the key the Trainer will look up
+    (``metric_for_best_model``): a suite that ``suite_every`` skips here, or scoring that failed. NaN is never
+    the best (both ``np.greater`` and ``np.less`` are False on it, whatever ``greater_is_better``), and the
+    Trainer's ``KeyError`` would end the run."""
+    return {} if wanted in metrics else {wanted: float("nan")}
+
+
 def suite_history_files(
     history_file: reporting.HistoryFile | None, suites: dict[str, Any] | None, history: list[dict[str, Any]]
 ) -> dict[str, reporting.HistoryFile]:

@@ -1,0 +1,155 @@
+"""Runs compared: the paired tests of every run against a baseline, and the tables that show them, which
+``tatblimp compare`` (text, Markdown) and ``tatblimp report`` (HTML) both print.
+
+The tables are rows of strings; their columns are named for the runs (or the steps) compared,
+``only <baseline>`` and ``only <run>``: the pairs only one side passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..reading.identity import record_fingerprint
+from .curves import DEFAULT_THRESHOLD
+from .runs import CompareError, Run
+from .stats import PairedTest, format_interval, paired_tests
+
+__all__ = ["Comparison", "compare_runs", "comparison_rows", "paired_header", "paired_rows"]
+
+
+@dataclass
+class Comparison:
+    """Runs, their baseline and the paired tests of every other run against it (empty without ``paired``)."""
+
+    runs: list[Run]
+    baseline: Run
+    tests: dict[str, list[PairedTest]]  # run label -> tests
+    threshold: float = DEFAULT_THRESHOLD
+    use_lower_bound: bool = False
+
+    def significant(self, run: Run, metric: str, group: str) -> bool:
+        return any(t.metric == metric and t.group == group and t.significant for t in self.tests.get(run.label, []))
+
+
+def compare_runs(
+    runs: list[Run],
+    baseline: str | None = None,
+    paired: bool = True,
+    threshold: float = DEFAULT_THRESHOLD,
+    use_lower_bound: bool = False,
+) -> Comparison:
+    """Test every run against the baseline (label ``baseline``, else the first run) pair by pair.
+
+    With ``paired`` the runs must be scored on one benchmark file (md5) and carry per-pair outcomes.
+    """
+    if baseline is None:
+        base = runs[0]
+    else:
+        matches = [run for run in runs if run.label == baseline]
+        if not matches:
+            raise CompareError(f"--baseline {baseline}: no such run (labels: {', '.join(run.label for run in runs)})")
+        base = matches[0]
+    tests: dict[str, list[PairedTest]] = {}
+    if paired:
+        md5s = {run.label: run.record.get("benchmark", {}).get("md5") for run in runs}
+        if len(set(md5s.values())) > 1 or None in md5s.values():
+            listed = ", ".join(f"{label}: {md5}" for label, md5 in md5s.items())
+            raise CompareError(
+                f"the results were scored on different benchmark files (md5 {listed}); their pairs cannot be compared "
+                "pair by pair (--no-paired shows them side by side)"
+            )
+        selections = {run.label: run.record.get("selection") for run in runs}  # --limit, --phenomena
+        # What was scored (identity.fingerprint): the same bytes read with another column mapping, or another
+        # subset of them, are other pairs at the same indices. Records without a fingerprint: md5 and selection.
+        fingerprints = {record_fingerprint(run.record) for run in runs} - {None}
+        if len(set(selections.values())) > 1 or len(fingerprints) > 1:
+            listed = ", ".join(f"{label}: {selection or 'all pairs'}" for label, selection in selections.items())
+            raise CompareError(
+                f"the results cover different pairs ({listed}); they cannot be compared pair by pair "
+                "(--no-paired shows them side by side)"
+            )
+        for run in runs:
+            if run is not base:
+                try:
+                    tests[run.label] = paired_tests(base.outcomes, run.outcomes)
+                except ValueError as err:
+                    raise CompareError(f"{run.label} against {base.label}: {err}") from None
+    return Comparison(runs, base, tests, threshold, use_lower_bound)
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _fmt_p(p: float) -> str:
+    return f"{p:.1e}" if p < 0.01 else f"{p:.3f}"
+
+
+def comparison_rows(comparison: Comparison) -> tuple[list[list[str]], list[list[str]]]:
+    """(metric rows, acquisition rows); each row is the name then one cell per run.
+
+    Accuracy cells show the 95% interval and a ``*`` where the run differs from the baseline at 0.05
+    (BH-adjusted for phenomena). Acquisition rows are empty when no run is a sweep; a run that is not
+    a sweep shows ``n/a``.
+    """
+    runs = comparison.runs
+    phenomena: dict[str, None] = {}
+    for run in runs:
+        phenomena.update(dict.fromkeys(run.record["phenomena"]))
+
+    def cell(run: Run, group: dict[str, Any], metric: str, name: str) -> str:
+        text = _fmt(group.get(metric))
+        if group.get(f"{metric}_ci") is not None:
+            text += " " + format_interval(group[f"{metric}_ci"])
+        return text + (" *" if comparison.significant(run, metric, name) else "")
+
+    metrics = [
+        ["step"] + [_fmt(run.record.get("step")) for run in runs],
+        ["acc"] + [cell(run, run.record, "acc", "overall") for run in runs],
+        ["acc_norm"] + [cell(run, run.record, "acc_norm", "overall") for run in runs],
+        ["bits/byte (good)"] + [_fmt(run.record.get("bits_per_byte_good"), 3) for run in runs],
+        ["tokens/byte"] + [_fmt(run.record.get("tokens_per_byte")) for run in runs],
+    ]
+    for name in phenomena:
+        metrics.append([name] + [cell(run, run.record["phenomena"].get(name, {}), "acc_norm", name) for run in runs])
+    acquisition: list[list[str]] = []
+    if any(run.is_sweep for run in runs):
+        steps = [run.acquisition(comparison.threshold, comparison.use_lower_bound) for run in runs]
+        for name in phenomena:
+            acquisition.append(
+                [name]
+                + [("never" if s.get(name) is None else str(s[name])) if run.is_sweep else "n/a" for run, s in zip(runs, steps)]
+            )
+    return metrics, acquisition
+
+
+def paired_header(before: str, after: str) -> list[str]:
+    """The header of ``paired_rows``, its columns named for what is compared: two runs' labels, or two steps."""
+    return ["group", "n", f"only {before}", f"only {after}", "difference", "p", "p (BH)", "significant"]
+
+
+def paired_rows(tests: list[PairedTest], metric: str) -> list[list[str]]:
+    """One metric's paired tests as table rows (``paired_header``: the pairs only the first side passes, only the second)."""
+    return [
+        [
+            t.group,
+            str(t.n),
+            str(t.baseline_only),
+            str(t.run_only),
+            f"{t.difference:+.4f}" if t.n else "nan",
+            _fmt_p(t.p_value),
+            _fmt_p(t.p_adjusted),
+            "*" if t.significant else "",
+        ]
+        for t in tests
+        if t.metric == metric
+    ]

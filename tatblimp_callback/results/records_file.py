@@ -1,0 +1,66 @@
+"""The one writer of the JSON Lines files the package appends to: a sweep's ``tatblimp.jsonl`` and its failures,
+the callback's history files, an endpoint's answers.
+
+Each record is one line, ``json.dumps(..., ensure_ascii=False)`` and ``"\\n"``. A run killed mid-write may have
+left a partial last line (no ``"\\n"``); readers skip it and never touch the file (``reading.jsonl``: a reader on
+another process may be reading while the writer writes), and the writer, the one process that appends, cuts it
+off before it appends, so that the new record starts a line of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1 << 16
+
+
+def cut_partial_line(path: str | os.PathLike) -> int:
+    """Cut a partial last line (one without its ``"\\n"``) off the file at ``path``; the bytes cut (0: none, or no file).
+
+    Reads backwards from the end, a chunk at a time: a long file is not read whole.
+    """
+    path = Path(path)
+    try:
+        handle = path.open("rb+")
+    except FileNotFoundError:
+        return 0
+    with handle:
+        size = handle.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:
+            start = max(0, end - _CHUNK)
+            handle.seek(start)
+            chunk = handle.read(end - start)
+            if end == size and chunk.endswith(b"\n"):
+                return 0
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+        handle.truncate(end)
+    logger.warning("tatblimp: %s ended in a partial line (%d bytes, from an interrupted write); cut off", path, size - end)
+    return size - end
+
+
+def open_for_append(path: str | os.PathLike) -> IO[str]:
+    """``path`` opened to append lines (UTF-8), its folder made and a partial last line cut off first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cut_partial_line(path)
+    return path.open("a", encoding="utf-8")
+
+
+def append_record(path: str | os.PathLike, record: dict[str, Any], sync: bool = False) -> None:
+    """Append ``record`` as one JSON line to ``path`` (see ``open_for_append``); ``sync``: on the disk before returning."""
+    with open_for_append(path) as handle:
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if sync:
+            handle.flush()
+            os.fsync(handle.fileno())
