@@ -37,8 +37,10 @@ from ..engine.model_checks import unwrap_model, weights_label
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
+from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
+from .alerts import RegressionAlerts
 from .monitoring_errors import ErrorLog, rng_preserved
 from .suite_schedule import check_suite_options, suite_history_files, suites_due
 
@@ -154,6 +156,17 @@ class TatBLiMPCallback(TrainerCallback):
     for all, or ``{name: k}`` (a missing name: every evaluation). TatBLiMP is scored at every evaluation;
     ``suite_every={"blimp": 10}`` keeps a 67,000-pair BLiMP from making every evaluation 54 times longer."""
 
+    alert_on_regression: bool = True
+    """After each evaluation, compare every phenomenon and overall score (TatBLiMP's and each suite's) with its best
+    earlier evaluation pair by pair, and raise an alert for a significant fall (see ``alerts.py``): a warning line,
+    ``<prefix>/alerts``, ``alerts`` in the history file and ``wandb.run.alert`` where a wandb run is active."""
+
+    alert_q: float = 0.05
+    """An alert needs a Benjamini-Hochberg adjusted McNemar p-value below this."""
+
+    alert_min_drop: float = 0.05
+    """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
+
     history: list[dict[str, float]] = field(default_factory=list, init=False)
     """One entry per evaluation: ``step`` and the logged metrics."""
 
@@ -170,6 +183,10 @@ class TatBLiMPCallback(TrainerCallback):
     """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or
     above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
     (the string "never" there, since wandb drops None)."""
+
+    learning: LearningSummary | None = field(default=None, init=False, repr=False)
+    """Set when training ends: per phenomenon, the fitted acquisition step with its 95% interval and the latest
+    trend (rising, flat, falling); see ``learning.py``. Also in the end-of-training wandb table."""
 
     def __post_init__(self):
         self._every = callback_options.check_eval_steps(self.eval_steps)
@@ -311,6 +328,7 @@ class TatBLiMPCallback(TrainerCallback):
         self.last_results = None
         self.last_fc_results = None
         self.acquisition = {}
+        self._alerts = RegressionAlerts(self.alert_on_regression, self.alert_q, self.alert_min_drop, self.log_prefix, ours)
         self._finished = False
         self._history_file = None
         self._trainer = None
@@ -381,9 +399,10 @@ class TatBLiMPCallback(TrainerCallback):
         """The end of training: acquisition steps, and the wandb table and summary."""
         self._finished = True
         self.acquisition = acquisition_steps(self.history, self.acquisition_threshold, prefix=self.log_prefix)
+        self.learning = self._alerts.summary(state.is_world_process_zero)
         wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
-            self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
+            self._guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition, self.learning)
             for name, results in self.last_suite_results.items():
                 self._guarded(self._wandb.log_results, name, results, {})
         if self.report_file is not None and self._history_file is not None and self._history_file.path.exists():
@@ -446,6 +465,8 @@ class TatBLiMPCallback(TrainerCallback):
             metrics[f"{self.log_prefix}_fc/eval_seconds"] = fc_results.run_info["seconds"]
         if self.failures:
             metrics[f"{self.log_prefix}/failures"] = float(self.failures)
+        if results is not None and new_step:
+            metrics.update(self._alerts.observe(state.global_step, results, state.is_world_process_zero))
         self._last_metrics = metrics
         if weights is not None and self._has_results(metrics):  # a failure may pass (out of memory): tried again
             self._by_weights[weights] = metrics
@@ -486,7 +507,7 @@ class TatBLiMPCallback(TrainerCallback):
         if reporting.reports_to_wandb(args, self._trainer):
             self._guarded(self._wandb.log, metrics, step)
         if results is not None and self._history_file is not None:
-            self._guarded(self._history_file.append, step, results)
+            self._guarded(self._history_file.append, step, results, self._alerts.fields(step))
         for name, suite in (results.suites if results is not None else {}).items():
             if name in self._suite_history_files:
                 self._guarded(self._suite_history_files[name].append, step, suite)
