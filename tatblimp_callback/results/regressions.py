@@ -94,6 +94,7 @@ class RegressionMonitor:
         self._best: dict[str, _Best] = {}
         self._fallen: set[str] = set()  # groups alerted and not recovered yet
         self._seen: dict[str, int] = {}  # earlier evaluations of each group
+        self._pairs: dict[str, tuple[str, ...]] = {}  # the phenomenon of each pair, by benchmark
 
     def observe(self, step: int, outcomes: Mapping[str, Outcomes]) -> list[RegressionAlert]:
         """The alerts of the evaluation at ``step``; ``outcomes``: benchmark name -> its per-pair outcomes (a suite
@@ -101,6 +102,10 @@ class RegressionMonitor:
         compared = []  # (benchmark, group, best, counts, score)
         current: dict[str, tuple[float, str]] = {}
         for benchmark, result in outcomes.items():
+            if self._pairs.get(benchmark) != result.phenomena:  # new, or other pairs: start afresh
+                self._pairs[benchmark] = result.phenomena
+                for key in [key for key in self._seen if key.startswith(f"{benchmark}/")]:
+                    self._best.pop(key, None), self._seen.pop(key), self._fallen.discard(key)
             text = getattr(result, self.metric)
             for group, indices in {"overall": None, **result.groups()}.items():
                 key = f"{benchmark}/{group}"
@@ -109,10 +114,7 @@ class RegressionMonitor:
                 score = passed / finite if finite else math.nan
                 current[key] = (score, part)
                 best = self._best.get(key)
-                if best is None or len(best.outcomes) != len(part):  # new, or other pairs: nothing to compare with
-                    self._best.pop(key, None)
-                    self._seen.pop(key, None)
-                    self._fallen.discard(key)
+                if best is None:
                     continue
                 compared.append((benchmark, group, best, paired_counts(best.outcomes, part), score))
         # The best of k earlier evaluations is the one that differs most: its p-value times k (Bonferroni) is a
