@@ -87,8 +87,12 @@ def test_random_fluctuation_alerts_at_most_alert_q_of_the_evaluations():
 def test_replay_over_records_and_recorded_alerts_round_trip():
     def record(step, a):
         o = outcomes(a)
-        return {"step": step, "acc": 0, "acc_norm": 0, "outcomes": {"acc": o.acc, "acc_norm": o.acc_norm,
-                "phenomenon_runs": [["a", 40], ["b", 40]]}}
+        return {
+            "step": step,
+            "acc": 0,
+            "acc_norm": 0,
+            "outcomes": {"acc": o.acc, "acc_norm": o.acc_norm, "phenomenon_runs": [["a", 40], ["b", 40]]},
+        }
 
     records = [record(0, 38), record(1, 10)]
     for r in records:

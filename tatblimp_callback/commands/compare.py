@@ -18,11 +18,12 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
+from ..results.learning import LearningOrder, LearningSummary, evaluations_from_records, learning_order, learning_summary
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from ..results.stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 from .checkpoints import step_of
@@ -52,8 +53,37 @@ class Comparison:
     threshold: float = DEFAULT_THRESHOLD
     use_lower_bound: bool = False
 
+    _learning: dict[str, LearningSummary | None] | None = field(default=None, repr=False)
+
     def significant(self, run: Run, metric: str, group: str) -> bool:
         return any(t.metric == metric and t.group == group and t.significant for t in self.tests.get(run.label, []))
+
+    def learning(self) -> dict[str, LearningSummary | None]:
+        """Each sweep's fitted acquisitions and trends (``learning.py``), by label, computed once; None for a sweep
+        without per-pair outcomes (written by an older tatblimp-callback)."""
+        if self._learning is None:
+            self._learning = {}
+            for run in self.runs:
+                if run.is_sweep:
+                    try:
+                        evaluations = evaluations_from_records(run.records_up_to_step, str(run.path))
+                    except ValueError:
+                        self._learning[run.label] = None
+                        continue
+                    self._learning[run.label] = learning_summary(evaluations)
+        return self._learning
+
+    def orders(self) -> dict[str, LearningOrder]:
+        """The order of acquisition of each other sweep against the baseline's (Kendall's tau), by the other's label."""
+        learning = self.learning()
+        base = learning.get(self.baseline.label)
+        if base is None:
+            return {}
+        return {
+            label: learning_order(base.fits, summary.fits)
+            for label, summary in learning.items()
+            if label != self.baseline.label and summary is not None
+        }
 
 
 def compare_runs(
@@ -129,7 +159,18 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
                     "run_only_pairs": flipped.learned,
                 }
             )
-    return {"runs": runs, "paired": paired}
+    learning = {label: summary.to_dict() for label, summary in comparison.learning().items() if summary is not None}
+    orders = [
+        {"baseline": comparison.baseline.label, "run": label, **_no_nan(order.to_dict())}
+        for label, order in comparison.orders().items()
+    ]
+    if not any(run.is_sweep for run in comparison.runs):
+        return {"runs": runs, "paired": paired}
+    return {"runs": runs, "paired": paired, "learning": learning, "learning_order": orders}
+
+
+def _no_nan(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
 
 
 def format_flips_text(comparison: Comparison, data: str | None = None) -> str:
@@ -206,6 +247,47 @@ def comparison_rows(comparison: Comparison) -> tuple[list[list[str]], list[list[
     return metrics, acquisition
 
 
+def learning_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of each sweep's fitted acquisition step [95% interval] (or why there is none) and latest
+    trend, per phenomenon; no rows without a sweep."""
+    learning = {label: summary for label, summary in comparison.learning().items() if summary is not None}
+    if not learning:
+        return [], []
+    header = ["phenomenon"]
+    for label in learning:
+        header += [f"{label}: fitted step [95%]", f"{label}: trend"]
+    names: dict[str, None] = {}
+    for summary in learning.values():
+        names.update(dict.fromkeys(summary.fits))
+    rows = []
+    for name in names:
+        row = [name]
+        for summary in learning.values():
+            fit, trend = summary.fits.get(name), summary.trends.get(name)
+            row += [fit.describe() if fit is not None else "-", trend.direction if trend is not None else "-"]
+        rows.append(row)
+    return header, rows
+
+
+def order_lines(comparison: Comparison) -> list[str]:
+    """Kendall's tau between the baseline's order of acquisition and each other sweep's, and the orders."""
+    lines = []
+    learning = comparison.learning()
+    for label, order in comparison.orders().items():
+        tau = "n/a (fewer than 2 phenomena acquired by both)" if math.isnan(order.tau) else f"{order.tau:+.3f}"
+        p = "" if math.isnan(order.p_value) else f", p = {_fmt_p(order.p_value)}"
+        lines.append(
+            f"learning order, {label} against {comparison.baseline.label}: Kendall's tau {tau}{p} "
+            f"over {len(order.phenomena)} phenomena both acquired (fitted steps)"
+        )
+        for run_label, names in ((comparison.baseline.label, order.order_a), (label, order.order_b)):
+            lines.append(f"  {run_label}: {' < '.join(names) if names else 'none acquired'}")
+    missing = [label for label, summary in learning.items() if summary is None]
+    if missing:
+        lines.append(f"no fitted acquisition for {', '.join(missing)}: the file has no per-pair outcomes")
+    return lines
+
+
 PAIRED_HEADER = ["group", "n", "baseline only", "run only", "difference", "p", "p (BH)", "significant"]
 
 
@@ -278,6 +360,16 @@ def format_text(runs: list[Run] | Comparison, threshold: float = DEFAULT_THRESHO
     if acquisition:
         rows += [[_acquired_title(comparison)] + [""] * len(comparison.runs), *[[f"  {r[0]}", *r[1:]] for r in acquisition]]
     lines = _text_table(rows, (0, 5, len(metrics)) if acquisition else (0, 5))
+    header, fitted = learning_rows(comparison)
+    if fitted:
+        lines += [
+            "",
+            "acquisition fits (logistic in log step, 95% bootstrap interval) and trends",
+            *_text_table([header, *fitted], (0,)),
+        ]
+    order = order_lines(comparison)
+    if order:
+        lines += ["", *order]
     for title, table in _paired_sections(comparison):
         lines += ["", title, *_text_table([PAIRED_HEADER, *table], (0, 1))]
     return "\n".join(lines + _notes(comparison))
@@ -298,6 +390,13 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
         what = "its 95% lower bound" if comparison.use_lower_bound else "acc_norm"
         lines += ["", f"### Acquisition step (first step with {what} >= {comparison.threshold} through the last evaluation)", ""]
         lines += table(["phenomenon", *labels], acquisition)
+    header, fitted = learning_rows(comparison)
+    if fitted:
+        lines += ["", "### Fitted acquisition step (logistic in log step, 95% bootstrap interval) and trend", ""]
+        lines += table(header, fitted)
+    order = order_lines(comparison)
+    if order:
+        lines += ["", "### Learning order", "", *(f"- {line.strip()}" for line in order)]
     for title, rows in _paired_sections(comparison):
         lines += ["", f"### {title[0].upper()}{title[1:]}", "", *table(PAIRED_HEADER, rows)]
     notes = _notes(comparison)

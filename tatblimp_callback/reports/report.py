@@ -26,6 +26,7 @@ from ..results.flips import Flips, flips, pair_sentences, sweep_flips
 from ..results.runs import Run, load_runs, read_outcomes
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
+from .report_learning import learning_sections
 
 __all__ = ["build_report", "write_report"]
 
@@ -265,6 +266,7 @@ def build_report(
             flipped = flips(getattr(base.outcomes, metric), getattr(other.outcomes, metric))
             body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, sentences, None))
         body.append(_tests_table(tests, "acc_norm"))
+    body += learning_sections(comparison)  # alerts, fitted acquisition steps and trends, order of acquisition
     if sweeps:
         body.append("<h2>Pairs learned and lost during training</h2>")
         body.append(

@@ -6,7 +6,9 @@
   ``exp(x_mid) - 1``, the step at which the phenomenon is halfway from chance to its plateau. Its 95% interval
   is a percentile bootstrap over pairs: the phenomenon's pairs are drawn with replacement (the same draw at every
   evaluation, so the pairing over time is kept), the curve is fitted again, ``bootstrap`` times (200) from a
-  generator seeded by ``seed`` (0) and the phenomenon's name, so the same history gives the same interval.
+  generator seeded by ``seed`` (0) and the phenomenon's name, so the same history gives the same interval. The
+  interval is never narrower than the two evaluations around the midpoint (the curve is only seen there) and is
+  clipped to the evaluated steps (``open_ended`` where it reached past the last one).
   Where the fit does not hold the status says why: "not enough evaluations" (fewer than 4 steps),
   "no fit" (the fit does not converge), "not acquired" (a plateau less than 0.1 above chance, or a midpoint
   after the last evaluation: still rising), "before the first evaluation" (the midpoint precedes it).
@@ -53,6 +55,7 @@ class AcquisitionFit:
     plateau: float | None = None
     slope: float | None = None  # per unit of log(1 + step)
     bootstrap_fits: int = 0  # of the bootstrap draws, those whose fit converged
+    open_ended: bool = False  # the interval's upper end reached past the last evaluation (clipped to it)
 
     @property
     def acquired(self) -> bool:
@@ -62,11 +65,11 @@ class AcquisitionFit:
         return {**asdict(self), "interval": list(self.interval) if self.interval is not None else None}
 
     def describe(self) -> str:
-        """``"420 [310, 560]"`` when acquired, else the status."""
+        """``"420 [310, 560]"`` when acquired (``560+``: the interval reaches past the last evaluation), else the status."""
         if not self.acquired:
             return self.status
         low, high = self.interval
-        return f"{self.step:.0f} [{low:.0f}, {high:.0f}]"
+        return f"{self.step:.0f} [{low:.0f}, {high:.0f}{'+' if self.open_ended else ''}]"
 
 
 def _curve(x, plateau, x_mid, slope):
@@ -174,10 +177,16 @@ def fit_acquisition(
                 mids.append(refit[1])
     if not mids:
         return AcquisitionFit(NO_FIT, plateau=plateau, slope=slope)
-    low, high = np.percentile(mids, [2.5, 97.5])
-    return AcquisitionFit(
-        ACQUIRED, float(np.expm1(x_mid)), (float(np.expm1(low)), float(np.expm1(high))), plateau, slope, len(mids)
-    )
+    step = float(np.expm1(x_mid))
+    ends = np.clip(np.percentile(mids, [2.5, 97.5]), -1.0, x[-1] + 1.0)  # clipped below anyway
+    low, high = (float(v) for v in np.expm1(ends))
+    # The step is only known between the evaluations around it (a jump between two fits any midpoint there), and
+    # nothing is known outside the evaluated steps: the interval spans the first and is clipped to the second.
+    seen = [s for s, k in zip(steps, keep) if k]
+    low = max(min(low, max(s for s in seen if s <= step)), seen[0])
+    open_ended = max(high, min(s for s in seen if s >= step)) > seen[-1]
+    high = min(max(high, min(s for s in seen if s >= step)), seen[-1])
+    return AcquisitionFit(ACQUIRED, step, (low, high), plateau, slope, len(mids), open_ended)
 
 
 def evaluations_from_records(records: Sequence[Mapping[str, Any]], where: str = "") -> list[tuple[int, Outcomes]]:
