@@ -34,7 +34,7 @@ def test_intervals_hold_known_midpoints_at_about_95_percent():
     rng = np.random.default_rng(7)
     inside = acquired = 0
     errors = []
-    for k in range(40):
+    for _ in range(40):
         midpoint = float(rng.uniform(80, 600))
         fit = fit_acquisition(STEPS, noisy_history(rng, midpoint, float(rng.uniform(0.8, 0.97)), float(rng.uniform(2, 5))))
         acquired += fit.acquired
