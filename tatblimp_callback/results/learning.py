@@ -79,54 +79,65 @@ def _curve(x, plateau, x_mid, slope):
     return CHANCE + (plateau - CHANCE) * expit(slope * (x - x_mid))
 
 
-# The fit runs in unbounded parameters, so that Levenberg-Marquardt needs no bounds: plateau = 0.5 + 0.5 * expit(a)
-# (between chance and 1), slope = exp(b) (positive).
-def _natural(a, x_mid, b):
-    from scipy.special import expit
-
-    return CHANCE + (1 - CHANCE) * expit(a), x_mid, math.exp(min(b, 50.0))
-
-
-def _unbounded_curve(x, a, x_mid, b):
-    return _curve(x, *_natural(a, x_mid, b))
-
-
-def _unbounded_jacobian(x, a, x_mid, b):
-    from scipy.special import expit
-
-    plateau, _, slope = _natural(a, x_mid, b)
-    g = expit(slope * (x - x_mid))
-    dg = g * (1.0 - g)
-    e = expit(a)
-    return np.stack(
-        [(1 - CHANCE) * e * (1 - e) * g + 0 * x, -(plateau - CHANCE) * slope * dg, (plateau - CHANCE) * (x - x_mid) * dg * slope],
-        axis=1,
-    )
-
-
 def _fit(x: np.ndarray, y: np.ndarray, start: tuple[float, float, float] | None = None) -> tuple[float, float, float] | None:
     """(plateau, x_mid, slope) by least squares (``curve_fit``, Levenberg-Marquardt), from ``start`` or a guess from
-    the data; None where the fit does not converge."""
+    the data; None where the fit does not converge.
+
+    The fit runs in unbounded parameters, so that Levenberg-Marquardt needs no bounds: plateau = 0.5 + 0.5 * expit(a)
+    (between chance and 1), slope = top * expit(b) (positive, at most ``top`` = 100 / the span of log steps: a jump
+    between two evaluations, which has no finite best slope, converges to the steepest).
+    """
     from scipy.optimize import OptimizeWarning, curve_fit
+    from scipy.special import expit, logit
 
     span = max(float(x[-1] - x[0]), 1e-6)
+    top = 100.0 / span
+
+    def natural(a, x_mid, b):
+        return CHANCE + (1 - CHANCE) * expit(a), x_mid, top * expit(b)
+
+    def model(x, a, x_mid, b):
+        return _curve(x, *natural(a, x_mid, b))
+
+    def jacobian(x, a, x_mid, b):
+        plateau, _, slope = natural(a, x_mid, b)
+        g = expit(slope * (x - x_mid))
+        dg, e, f = g * (1.0 - g), expit(a), expit(b)
+        rise = plateau - CHANCE
+        return np.stack([(1 - CHANCE) * e * (1 - e) * g, -rise * slope * dg, rise * (x - x_mid) * dg * top * f * (1 - f)], axis=1)
+
     if start is None:
-        top = float(np.max(y))
-        above = np.nonzero(y >= CHANCE + (top - CHANCE) / 2)[0]
-        start = (top, float(x[above[0]]) if len(above) else float(x[-1]), 4.0 / span)
+        highest = float(np.max(y))
+        above = np.nonzero(y >= CHANCE + (highest - CHANCE) / 2)[0]
+        start = (highest, float(x[above[0]]) if len(above) else float(x[-1]), 4.0 / span)
     plateau, x_mid, slope = start
-    share = min(max((plateau - CHANCE) / (1 - CHANCE), 0.02), 0.98)
-    p0 = (math.log(share / (1 - share)), x_mid, math.log(max(slope, 1e-3)))
+    p0 = (
+        float(logit(min(max((plateau - CHANCE) / (1 - CHANCE), 0.02), 0.98))),
+        x_mid,
+        float(logit(min(max(slope / top, 1e-4), 1 - 1e-4))),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OptimizeWarning)  # the covariance (unused here) may not be estimable
         warnings.simplefilter("ignore", RuntimeWarning)
         try:
-            params, _ = curve_fit(_unbounded_curve, x, y, p0=p0, jac=_unbounded_jacobian, method="lm", maxfev=600)
+            params, _ = curve_fit(model, x, y, p0=p0, jac=jacobian, method="lm", maxfev=600)
         except (RuntimeError, ValueError):
             return None
     if not np.all(np.isfinite(params)):
         return None
-    return tuple(float(v) for v in _natural(*params))
+    return tuple(float(v) for v in natural(*params))
+
+
+def _best_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float] | None:
+    """``_fit`` from the data's own guess and from a midpoint between each two evaluations (gentle and steep):
+    the fit with the least squared error (a single start can miss a jump between two evaluations)."""
+    span = max(float(x[-1] - x[0]), 1e-6)
+    top = float(np.clip(np.max(y), CHANCE + 0.01, 0.99))
+    starts = [None] + [(top, float(m), slope / span) for m in (x[1:] + x[:-1]) / 2 for slope in (4.0, 40.0)]
+    fits = [fit for fit in (_fit(x, y, start) for start in starts) if fit is not None]
+    if not fits:
+        return None
+    return min(fits, key=lambda fit: float(np.sum((_curve(x, *fit) - y) ** 2)))
 
 
 def _shares(passed: np.ndarray, finite: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
@@ -158,7 +169,7 @@ def fit_acquisition(
     keep = ~np.isnan(y)
     if keep.sum() < MIN_EVALUATIONS:
         return AcquisitionFit(NOT_ENOUGH)
-    fitted = _fit(x[keep], y[keep])
+    fitted = _best_fit(x[keep], y[keep])
     if fitted is None:
         return AcquisitionFit(NO_FIT)
     plateau, x_mid, slope = fitted
