@@ -114,9 +114,9 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
     (line,) = [w for w in seen["warnings"] if "REGRESSION" in w]
     for part in ("target", f"step {best}", "step 24", f"{score[best]:.4f}", f"{score[24]:.4f}", "q = "):
         assert part in line
-    # The count, logged at every evaluation: 0 before step 24, 1 from there on.
-    counts = {e["step"]: e["tatblimp/alerts"] for e in seen["log_history"]}
-    assert counts == {s: float(s >= 24) for s in steps}
+    # The count, logged from the first alert on (as failures): 1 from step 24.
+    counts = {e["step"]: e["tatblimp/alerts"] for e in seen["log_history"] if "tatblimp/alerts" in e}
+    assert counts == {s: 1.0 for s in steps if s >= 24}
     wandb_counts = {
         r["history"]["item"]["train/global_step"]: r["history"]["item"]["tatblimp/alerts"]
         for r in records
@@ -146,5 +146,5 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
 
     seen, history, records, _ = run(tmp_path, perturb=False)
     assert [a for r in history for a in r["alerts"]] == [] and not [r for r in records if r["type"] == "alert"]
-    assert {e["tatblimp/alerts"] for e in seen["log_history"]} == {0.0}
+    assert not [e for e in seen["log_history"] if "tatblimp/alerts" in e]
     assert min(r["phenomena"]["target"]["acc_norm"] for r in history[6:]) >= 0.9  # the same run, not made to fall

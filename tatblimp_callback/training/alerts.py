@@ -36,7 +36,8 @@ class RegressionAlerts:
         self._by_step: dict[int, list[RegressionAlert]] = {}
 
     def observe(self, step: int, results: Results, main_process: bool = True) -> dict[str, float]:
-        """Check the evaluation at ``step``; returns the metrics to log with it (``<prefix>/alerts``)."""
+        """Check the evaluation at ``step``; returns the metrics to log with it: ``<prefix>/alerts``, the run's count,
+        from its first alert on (as ``<prefix>/failures``)."""
         try:
             outcomes = {self.prefix: Outcomes.from_dict(results.outcomes())}
             self.evaluations.append((step, outcomes[self.prefix]))
@@ -54,7 +55,7 @@ class RegressionAlerts:
             for alert in raised:
                 logger.warning("tatblimp: REGRESSION: %s", alert.text)
                 self._to_wandb(alert)
-        return {f"{self.prefix}/alerts": float(self.count)}
+        return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}  # as failures: once there are any
 
     def fields(self, step: int) -> dict[str, Any]:
         """What the history-file record of ``step`` gets: ``{"alerts": [...]}`` while alerts are on."""
