@@ -112,3 +112,20 @@ def test_trends_from_the_latest_evaluation_against_an_earlier_one():
     ps = [binomtest(0, 20, 0.5).pvalue, binomtest(0, 10, 0.5).pvalue, 1.0]
     assert [t.q_value for t in found.values()] == pytest.approx(list(false_discovery_control(ps, method="bh")))
     assert trends(evaluations[:1]) == {}
+
+
+def test_the_end_of_training_line_and_table_columns():
+    from tatblimp_callback.results.learning import LearningSummary
+    from tatblimp_callback.training.reporting import learning_columns, learning_line
+
+    phenomena = ("up",) * 40 + ("same",) * 40
+    evaluations = [(s, Outcomes(t, t, phenomena)) for s, t in ((0, "0" * 40 + "10" * 20), (100, "1" * 40 + "10" * 20))]
+    summary = LearningSummary(trends=trends(evaluations), fits={"up": AcquisitionFit("not enough evaluations")})
+    assert learning_line(summary) == "tatblimp: trend from step 0 to 100: rising 1 (up); flat 1; falling 0"
+    columns, rows = learning_columns(["phenomenon", "n"], [["up", 40], ["same", 40], ["overall", 80]], {"up": None}, summary)
+    assert columns[-3:] == ["acquired (threshold)", "acquired (fit) [95%]", "trend"]
+    assert rows == [
+        ["up", 40, "never", "not enough evaluations", "rising (+1.000 since step 0)"],
+        ["same", 40, "-", "-", "flat (+0.000 since step 0)"],
+        ["overall", 80, "-", "-", "-"],
+    ]
