@@ -148,3 +148,22 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
     assert [a for r in history for a in r["alerts"]] == [] and not [r for r in records if r["type"] == "alert"]
     assert not [e for e in seen["log_history"] if "tatblimp/alerts" in e]
     assert min(r["phenomena"]["target"]["acc_norm"] for r in history[6:]) >= 0.9  # the same run, not made to fall
+
+
+@pytest.mark.slow
+def test_a_resumed_run_compares_with_the_evaluations_before_its_checkpoint(bpe_tokenizer, small_data, tmp_path):
+    """The kept lines of the history file go through the monitor again: the trend at the end of the resumed run
+    reaches back to step 0 (before the checkpoint), as in the run without a break."""
+    from conftest import tiny_llama
+    from tatblimp_callback import TatBLiMPCallback
+    from trainer_utils import make_trainer
+
+    options = dict(max_steps=6, save_strategy="steps", save_steps=3)
+    whole = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2)
+    make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [whole], **options).train()
+    resumed = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [resumed], **options)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert [step for step, _ in resumed._alerts.evaluations] == [0, 2, 4, 6]
+    assert {t.from_step for t in resumed.learning.trends.values()} == {0}
+    assert resumed.learning.trends == whole.learning.trends and resumed.learning.fits == whole.learning.fits

@@ -10,10 +10,14 @@ training fits each phenomenon's acquisition and reads its trend (``learning.py``
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from ..reading.jsonl import read_complete_lines
 from ..results.learning import LearningSummary, learning_summary
 from ..results.metrics import Results
 from ..results.regressions import RegressionAlert, RegressionMonitor
@@ -56,6 +60,20 @@ class RegressionAlerts:
                 logger.warning("tatblimp: REGRESSION: %s", alert.text)
                 self._to_wandb(alert)
         return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}  # as failures: once there are any
+
+    def restore(self, path: os.PathLike | str) -> None:
+        """A resumed run: the evaluations kept in its history file (those up to the checkpoint) go through the monitor
+        again, silently, so that the next evaluation is compared with the run's best, not only with the evaluations
+        after the resume. TatBLiMP only: a suite's comparisons start again at the resume."""
+        try:
+            records = [json.loads(line) for line in read_complete_lines(Path(path)) if line.strip()]
+            for record in sorted(records, key=lambda r: r["step"]):
+                outcomes = Outcomes.from_record(record)
+                self.evaluations.append((record["step"], outcomes))
+                if self.enabled:
+                    self.monitor.observe(record["step"], {self.prefix: outcomes})
+        except (OSError, ValueError, KeyError) as error:
+            logger.warning("tatblimp: the regression check starts afresh: cannot read %s (%s)", path, error)
 
     def fields(self, step: int) -> dict[str, Any]:
         """What the history-file record of ``step`` gets: ``{"alerts": [...]}`` while alerts are on."""

@@ -252,6 +252,8 @@ class TatBLiMPCallback(TrainerCallback):
             if self._history_file is not None:
                 try:
                     self._history_file.start({entry["step"] for entry in self.history})
+                    if self.history and self._history_file.path.exists():  # resumed: the best scores so far
+                        self._alerts.restore(self._history_file.path)
                 except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
                     logger.warning(
                         "tatblimp: cannot use the history file %s (%s); none is written in this run", self._history_file.path, err
