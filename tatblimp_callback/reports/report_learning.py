@@ -45,7 +45,7 @@ def _alerts_section(sweeps: list[Run]) -> str:
         alerts, recorded = run_alerts(run)
         source = "written by the callback" if recorded else "replayed by the report with the default thresholds"
         rows = [
-            f'<tr class="alert" data-step="{a.step}" data-group="{escape(a.key)}"><td>{a.step}</td><td>{escape(a.key)}</td>'
+            f'<tr class="alert" data-step="{a.step}" data-group="{escape(a.key)}"><td>{a.step}</td><td style="text-align: left">{escape(a.key)}</td>'
             f"<td>{a.best_step}</td><td>{a.best_score:.4f}</td><td>{a.score:.4f}</td><td>{a.q_value:.2g}</td></tr>"
             for a in alerts
         ]
@@ -87,7 +87,12 @@ def _order_section(comparison: Comparison) -> str:
         )
         length = max(len(order.order_a), len(order.order_b))
         rows = [
-            [rank + 1, *(names[rank] if rank < len(names) else "" for names in (order.order_a, order.order_b))]
+            f"<tr><td>{rank + 1}</td>"
+            + "".join(
+                f'<td style="text-align: left">{escape(names[rank]) if rank < len(names) else ""}</td>'
+                for names in (order.order_a, order.order_b)
+            )
+            + "</tr>"
             for rank in range(length)
         ]
         parts.append(_table(["#", f"{base} (earliest first)", f"{label} (earliest first)"], rows, "order"))
