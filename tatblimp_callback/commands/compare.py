@@ -23,10 +23,11 @@ from typing import Any
 
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
-from ..results.learning import LearningOrder, LearningSummary, evaluations_from_records, learning_order, learning_summary
+from ..results.learning import LearningOrder, LearningSummary
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from ..results.stats import ALPHA, METRICS, PairedTest, format_interval, paired_tests
 from .checkpoints import step_of
+from .compare_learning import learning_rows, order_lines, orders_against, sweep_learning
 from .outputs import check_output_file, say, write_text
 
 __all__ = [
@@ -62,28 +63,12 @@ class Comparison:
         """Each sweep's fitted acquisitions and trends (``learning.py``), by label, computed once; None for a sweep
         without per-pair outcomes (written by an older tatblimp-callback)."""
         if self._learning is None:
-            self._learning = {}
-            for run in self.runs:
-                if run.is_sweep:
-                    try:
-                        evaluations = evaluations_from_records(run.records_up_to_step, str(run.path))
-                    except ValueError:
-                        self._learning[run.label] = None
-                        continue
-                    self._learning[run.label] = learning_summary(evaluations)
+            self._learning = sweep_learning(self.runs)
         return self._learning
 
     def orders(self) -> dict[str, LearningOrder]:
         """The order of acquisition of each other sweep against the baseline's (Kendall's tau), by the other's label."""
-        learning = self.learning()
-        base = learning.get(self.baseline.label)
-        if base is None:
-            return {}
-        return {
-            label: learning_order(base.fits, summary.fits)
-            for label, summary in learning.items()
-            if label != self.baseline.label and summary is not None
-        }
+        return orders_against(self.baseline.label, self.learning())
 
 
 def compare_runs(
@@ -245,47 +230,6 @@ def comparison_rows(comparison: Comparison) -> tuple[list[list[str]], list[list[
                 + [("never" if s.get(name) is None else str(s[name])) if run.is_sweep else "n/a" for run, s in zip(runs, steps)]
             )
     return metrics, acquisition
-
-
-def learning_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
-    """(header, rows) of each sweep's fitted acquisition step [95% interval] (or why there is none) and latest
-    trend, per phenomenon; no rows without a sweep."""
-    learning = {label: summary for label, summary in comparison.learning().items() if summary is not None}
-    if not learning:
-        return [], []
-    header = ["phenomenon"]
-    for label in learning:
-        header += [f"{label}: fitted step [95%]", f"{label}: trend"]
-    names: dict[str, None] = {}
-    for summary in learning.values():
-        names.update(dict.fromkeys(summary.fits))
-    rows = []
-    for name in names:
-        row = [name]
-        for summary in learning.values():
-            fit, trend = summary.fits.get(name), summary.trends.get(name)
-            row += [fit.describe() if fit is not None else "-", trend.direction if trend is not None else "-"]
-        rows.append(row)
-    return header, rows
-
-
-def order_lines(comparison: Comparison) -> list[str]:
-    """Kendall's tau between the baseline's order of acquisition and each other sweep's, and the orders."""
-    lines = []
-    learning = comparison.learning()
-    for label, order in comparison.orders().items():
-        tau = "n/a (fewer than 2 phenomena acquired by both)" if math.isnan(order.tau) else f"{order.tau:+.3f}"
-        p = "" if math.isnan(order.p_value) else f", p = {_fmt_p(order.p_value)}"
-        lines.append(
-            f"learning order, {label} against {comparison.baseline.label}: Kendall's tau {tau}{p} "
-            f"over {len(order.phenomena)} phenomena both acquired (fitted steps)"
-        )
-        for run_label, names in ((comparison.baseline.label, order.order_a), (label, order.order_b)):
-            lines.append(f"  {run_label}: {' < '.join(names) if names else 'none acquired'}")
-    missing = [label for label, summary in learning.items() if summary is None]
-    if missing:
-        lines.append(f"no fitted acquisition for {', '.join(missing)}: the file has no per-pair outcomes")
-    return lines
 
 
 PAIRED_HEADER = ["group", "n", "baseline only", "run only", "difference", "p", "p (BH)", "significant"]
