@@ -162,7 +162,8 @@ class TatBLiMPCallback(TrainerCallback):
     ``<prefix>/alerts``, ``alerts`` in the history file and ``wandb.run.alert`` where a wandb run is active."""
 
     alert_q: float = 0.05
-    """An alert needs a Benjamini-Hochberg adjusted McNemar p-value below this."""
+    """An alert needs a q-value below this: the McNemar p-value, corrected for the choice of the best earlier
+    evaluation and Benjamini-Hochberg adjusted (see ``regressions.py``)."""
 
     alert_min_drop: float = 0.05
     """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
