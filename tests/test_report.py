@@ -257,3 +257,45 @@ def test_report_file_needs_the_history_file():
 
     with pytest.raises(ValueError, match="needs history_file"):
         TatBLiMPCallback(report_file="r.html", history_file=None)
+
+
+@pytest.mark.slow
+def test_alerts_fits_and_orders_in_headless_chromium(demo_records, tmp_path):
+    """The learning sections of a report of two runs (the demo run, and the same run up to step 1600)."""
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: CI installs Debian's chromium (.ci/run)")
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+    from scipy.stats import kendalltau
+
+    from tatblimp_callback.results.learning import acquisition_fits, evaluations_from_records
+    from tatblimp_callback.results.regressions import replay_alerts
+
+    report = tmp_path / "report.html"
+    assert main(["report", str(DEMO), f"{DEMO}@1600", "--output", str(report), "--data", str(DATA)]) == 0
+    # What the page must show, computed here from the records: the monitor replayed, the fits, scipy's tau.
+    alerts = replay_alerts(demo_records)
+    full = acquisition_fits(evaluations_from_records(demo_records))
+    part = acquisition_fits(evaluations_from_records([r for r in demo_records if r["step"] <= 1600]))
+    both = [name for name in full if full[name].acquired and part[name].acquired]
+    tau = kendalltau([full[n].step for n in both], [part[n].step for n in both]).statistic
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_context(viewport={"width": 1366, "height": 900}, offline=True).new_page()
+        page.goto(report.as_uri())
+        rows = page.locator('table.alerts[data-run="demo_history"] tr.alert')
+        assert rows.count() == len(alerts) >= 1  # the demo's passives fall from 0.83 at step 0 to 0.40 at step 200
+        assert [rows.nth(i).get_attribute("data-group") for i in range(rows.count())] == [a.key for a in alerts]
+        assert rows.nth(0).get_attribute("data-step") == str(alerts[0].step)
+        assert page.locator("b.alert-count").first.inner_text() == str(len(alerts))
+        fits = page.locator("table.fits tr")
+        assert fits.count() == 1 + len(full)  # the header, one row per phenomenon
+        binding = page.locator("table.fits tr", has_text="binding").first.inner_text().split("\t")
+        assert binding[1] == full["binding"].describe() and binding[3] == part["binding"].describe()
+        assert float(page.locator('b.tau[data-run="demo_history@1600"]').inner_text()) == pytest.approx(tau, abs=5e-4)
+        order = page.locator("table.order tr")
+        assert order.count() == 1 + max(sum(f.acquired for f in full.values()), sum(f.acquired for f in part.values()))
+        assert page.locator("table.order").bounding_box()["height"] > 20 * len(both)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1366
+        browser.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import asdict
 from typing import Any
@@ -26,6 +27,7 @@ from ..results.flips import flips, format_flips, format_sweep_flips, pair_senten
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from ..results.stats import ALPHA, METRICS
 from .checkpoints import step_of
+from .compare_learning import learning_rows, order_lines
 from .outputs import check_output_file, say, write_text
 
 __all__ = [
@@ -72,7 +74,18 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
                     "run_only_pairs": flipped.learned,
                 }
             )
-    return {"runs": runs, "paired": paired}
+    learning = {label: summary.to_dict() for label, summary in comparison.learning().items() if summary is not None}
+    orders = [
+        {"baseline": comparison.baseline.label, "run": label, **_no_nan(order.to_dict())}
+        for label, order in comparison.orders().items()
+    ]
+    if not any(run.is_sweep for run in comparison.runs):
+        return {"runs": runs, "paired": paired}
+    return {"runs": runs, "paired": paired, "learning": learning, "learning_order": orders}
+
+
+def _no_nan(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
 
 
 def format_flips_text(comparison: Comparison, data: str | None = None) -> str:
@@ -151,6 +164,16 @@ def format_text(runs: list[Run] | Comparison, threshold: float = DEFAULT_THRESHO
     if acquisition:
         rows += [[_acquired_title(comparison)] + [""] * len(comparison.runs), *[[f"  {r[0]}", *r[1:]] for r in acquisition]]
     lines = _text_table(rows, (0, 5, len(metrics)) if acquisition else (0, 5))
+    header, fitted = learning_rows(comparison)
+    if fitted:
+        lines += [
+            "",
+            "acquisition fits (logistic in log step, 95% bootstrap interval) and trends",
+            *_text_table([header, *fitted], (0,)),
+        ]
+    order = order_lines(comparison)
+    if order:
+        lines += ["", *order]
     for title, header, table in _paired_sections(comparison):
         lines += ["", title, *_text_table([header, *table], (0, 1))]
     return "\n".join(lines + _notes(comparison))
@@ -171,6 +194,13 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
         what = "its 95% lower bound" if comparison.use_lower_bound else "acc_norm"
         lines += ["", f"### Acquisition step (first step with {what} >= {comparison.threshold} through the last evaluation)", ""]
         lines += table(["phenomenon", *labels], acquisition)
+    header, fitted = learning_rows(comparison)
+    if fitted:
+        lines += ["", "### Fitted acquisition step (logistic in log step, 95% bootstrap interval) and trend", ""]
+        lines += table(header, fitted)
+    order = order_lines(comparison)
+    if order:
+        lines += ["", "### Learning order", "", *(f"- {line.strip()}" for line in order)]
     for title, header, rows in _paired_sections(comparison):
         lines += ["", f"### {title[0].upper()}{title[1:]}", "", *table(header, rows)]
     notes = _notes(comparison)

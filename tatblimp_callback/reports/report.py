@@ -27,6 +27,7 @@ from ..results.runs import CompareError, Run, load_runs, read_outcomes, shared_s
 from ..results.scored_pairs import scored_benchmark
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
+from .report_learning import learning_sections
 
 __all__ = ["build_report", "write_report"]
 
@@ -307,6 +308,7 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
             flipped = flips(getattr(base.outcomes, metric), getattr(other.outcomes, metric))
             body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, sentences, None))
         body.append(_tests_table(tests, "acc_norm", base.label, label))
+    body += learning_sections(comparison)  # alerts, fitted acquisition steps and trends, order of acquisition
     if sweeps:
         body.append("<h2>Pairs learned and lost during training</h2>")
         body.append(

@@ -8,11 +8,13 @@ The tables are rows of strings; their columns are named for the runs (or the ste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..reading.identity import record_fingerprint
 from .curves import DEFAULT_THRESHOLD
+from .learning import LearningOrder, LearningSummary, evaluations_from_records, learning_order, learning_summary
 from .runs import CompareError, Run
 from .stats import PairedTest, format_interval, paired_tests
 
@@ -28,9 +30,21 @@ class Comparison:
     tests: dict[str, list[PairedTest]]  # run label -> tests
     threshold: float = DEFAULT_THRESHOLD
     use_lower_bound: bool = False
+    _learning: dict[str, LearningSummary | None] | None = field(default=None, repr=False)
 
     def significant(self, run: Run, metric: str, group: str) -> bool:
         return any(t.metric == metric and t.group == group and t.significant for t in self.tests.get(run.label, []))
+
+    def learning(self) -> dict[str, LearningSummary | None]:
+        """Each sweep's fitted acquisitions and trends (``learning.py``), by label, computed once; None for a sweep
+        without per-pair outcomes (written by an older tatblimp-callback)."""
+        if self._learning is None:
+            self._learning = sweep_learning(self.runs)
+        return self._learning
+
+    def orders(self) -> dict[str, LearningOrder]:
+        """The order of acquisition of each other sweep against the baseline's (Kendall's tau), by the other's label."""
+        return orders_against(self.baseline.label, self.learning())
 
 
 def compare_runs(
@@ -153,3 +167,29 @@ def paired_rows(tests: list[PairedTest], metric: str) -> list[list[str]]:
         for t in tests
         if t.metric == metric
     ]
+
+
+def sweep_learning(runs: Sequence[Run]) -> dict[str, LearningSummary | None]:
+    """Each sweep's fitted acquisitions and trends, by label; None for a sweep without per-pair outcomes."""
+    found: dict[str, LearningSummary | None] = {}
+    for run in runs:
+        if run.is_sweep:
+            try:
+                evaluations = evaluations_from_records(run.records_up_to_step, str(run.path))
+            except ValueError:
+                found[run.label] = None
+                continue
+            found[run.label] = learning_summary(evaluations)
+    return found
+
+
+def orders_against(baseline: str, learning: dict[str, LearningSummary | None]) -> dict[str, LearningOrder]:
+    """Kendall's tau of each other sweep's order of acquisition against the baseline's, by the other's label."""
+    base = learning.get(baseline)
+    if base is None:
+        return {}
+    return {
+        label: learning_order(base.fits, summary.fits)
+        for label, summary in learning.items()
+        if label != baseline and summary is not None
+    }

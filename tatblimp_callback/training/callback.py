@@ -34,6 +34,7 @@ from ..chat.forced_choice import ForcedChoiceResults
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
+from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .in_loop import InLoopMonitor
@@ -151,6 +152,18 @@ class TatBLiMPCallback(TrainerCallback):
     for all, or ``{name: k}`` (a missing name: every evaluation). TatBLiMP is scored at every evaluation;
     ``suite_every={"blimp": 10}`` keeps a 67,000-pair BLiMP from making every evaluation 54 times longer."""
 
+    alert_on_regression: bool = True
+    """After each evaluation, compare every phenomenon and overall score (TatBLiMP's and each suite's) with its best
+    earlier evaluation pair by pair, and raise an alert for a significant fall (see ``alerts.py``): a warning line,
+    ``<prefix>/alerts``, ``alerts`` in the history file and ``wandb.run.alert`` where a wandb run is active."""
+
+    alert_q: float = 0.05
+    """An alert needs a q-value below this: the McNemar p-value, corrected for the choice of the best earlier
+    evaluation and Benjamini-Hochberg adjusted (see ``regressions.py``)."""
+
+    alert_min_drop: float = 0.05
+    """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
+
     def __post_init__(self):
         self._every = callback_options.check_eval_steps(self.eval_steps)
         if self.protocol not in ("logprob", "forced-choice", "both"):
@@ -197,6 +210,12 @@ class TatBLiMPCallback(TrainerCallback):
         above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
         (the string "never" there, since wandb drops None)."""
         return self._monitor.acquisition
+
+    @property
+    def learning(self) -> LearningSummary | None:
+        """Set when training ends: per phenomenon, the fitted acquisition step with its 95% interval and the latest
+        trend (rising, flat, falling); see ``learning.py``. Also in the end-of-training wandb table."""
+        return self._monitor.learning
 
     @property
     def _evaluator(self) -> Evaluator | None:
@@ -322,11 +341,11 @@ class TatBLiMPCallback(TrainerCallback):
     def _finish(self, args, state) -> None:
         """The end of training: acquisition steps, and the wandb table and summary."""
         self._finished = True
-        self._monitor.finish()
+        self._monitor.finish(state.is_world_process_zero)
         guarded, history_file = self._monitor.guarded, self._monitor.history_file
         wandb = state.is_world_process_zero and reporting.reports_to_wandb(args, self._trainer)
         if wandb and self.log_table and self.last_results is not None:
-            guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition)
+            guarded(self._wandb.log_results, self.log_prefix, self.last_results, self.acquisition, self.learning)
             for name, results in self.last_suite_results.items():
                 guarded(self._wandb.log_results, name, results, {})
         if self.report_file is not None and history_file is not None and history_file.path.exists():

@@ -22,8 +22,10 @@ from ..engine import distributed
 from ..engine.model_checks import unwrap_model, weights_label
 from ..evaluation import Evaluator
 from ..results.curves import acquisition_steps
+from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
+from .alerts import RegressionAlerts
 from .monitoring_errors import ErrorLog, rng_preserved
 from .suite_schedule import suite_history_files, suites_due
 
@@ -40,7 +42,7 @@ class InLoopMonitor:
     ``settings`` is the callback: an object with the scoring options as attributes (``data``, ``protocol``,
     ``suites``, ``suite_every``, ``prefix_token_id``, ``allow_modified``, ``memory_budget``, ``truncate``,
     ``cache_path``, ``forced_choice_prompt``, ``log_prefix``, ``raise_on_error``, ``history_file``,
-    ``acquisition_threshold``), read when they are used.
+    ``acquisition_threshold``, ``alert_on_regression``, ``alert_q``, ``alert_min_drop``), read when they are used.
     """
 
     def __init__(self, settings: Any):
@@ -70,6 +72,9 @@ class InLoopMonitor:
         self.last_results: Results | None = None
         self.last_fc_results: ForcedChoiceResults | None = None
         self.acquisition: dict[str, int | None] = {}
+        self.learning: LearningSummary | None = None
+        s = self.settings
+        self.alerts = RegressionAlerts(s.alert_on_regression, s.alert_q, s.alert_min_drop, s.log_prefix, ours)
         self.history_file: reporting.HistoryFile | None = None
         self.suite_history_files: dict[str, reporting.HistoryFile] = {}
 
@@ -80,6 +85,8 @@ class InLoopMonitor:
         if self.history_file is not None:
             try:
                 self.history_file.start({entry["step"] for entry in self.history})
+                if self.history and self.history_file.path.exists():  # resumed: the best scores so far
+                    self.alerts.restore(self.history_file.path)
             except (OSError, ValueError) as err:  # unreadable, or not JSON lines: say so, and train on
                 logger.warning(
                     "tatblimp: cannot use the history file %s (%s); none is written in this run", self.history_file.path, err
@@ -87,9 +94,10 @@ class InLoopMonitor:
                 self.history_file = None
         self.suite_history_files = suite_history_files(self.history_file, self.settings.suites, self.history)
 
-    def finish(self) -> None:
-        """The end of training: the acquisition steps of the history."""
+    def finish(self, main: bool = True) -> None:
+        """The end of training: the acquisition steps of the history, and the fits and trends (``learning``)."""
         self.acquisition = acquisition_steps(self.history, self.settings.acquisition_threshold, prefix=self.settings.log_prefix)
+        self.learning = self.alerts.summary(main)
 
     # -- which keys are ours ----------------------------------------------------------------------
 
@@ -184,6 +192,8 @@ class InLoopMonitor:
             results = self.guarded(evaluator, model) if evaluator is not None else None
             fc_results = self.guarded(self.fc_evaluator, model) if self.fc_evaluator is not None else None
         metrics = self._metrics(step, results, fc_results, weights)
+        if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
+            metrics.update(self.alerts.observe(step, results, main))
         self._last_metrics = metrics
         if weights is not None and self.has_results(metrics):  # a failure may pass (out of memory): tried again
             self._by_weights[weights] = metrics
@@ -229,7 +239,7 @@ class InLoopMonitor:
     def write_history(self, step: int, results: Results | None) -> None:
         """The evaluation's lines in the history file and the suites' (main process)."""
         if results is not None and self.history_file is not None:
-            self.guarded(self.history_file.append, step, results)
+            self.guarded(self.history_file.append, step, results, self.alerts.fields(step))
         for name, suite in (results.suites if results is not None else {}).items():
             if name in self.suite_history_files:
                 self.guarded(self.suite_history_files[name].append, step, suite)

@@ -115,6 +115,18 @@ class TatBLiMPLightningCallback(Callback):
     suite_every: int | dict[str, int] = 1
     """Score the suites at every k-th evaluation only, as ``TatBLiMPCallback.suite_every``."""
 
+    alert_on_regression: bool = True
+    """After each evaluation, compare every phenomenon and overall score (TatBLiMP's and each suite's) with its best
+    earlier evaluation pair by pair, and raise an alert for a significant fall (see ``alerts.py``): a warning line,
+    ``<prefix>/alerts``, ``alerts`` in the history file and ``wandb.run.alert`` where a wandb run is active."""
+
+    alert_q: float = 0.05
+    """An alert needs a q-value below this: the McNemar p-value, corrected for the choice of the best earlier
+    evaluation and Benjamini-Hochberg adjusted (see ``regressions.py``)."""
+
+    alert_min_drop: float = 0.05
+    """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
+
     def __post_init__(self):
         every = self.eval_every_n_steps
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -143,6 +155,11 @@ class TatBLiMPLightningCallback(Callback):
     def last_results(self) -> Results | None:
         """The latest log-prob results (None before the first evaluation)."""
         return self._monitor.last_results
+
+    @property
+    def learning(self):
+        """Set when training ends: each phenomenon's fitted acquisition step, interval and trend (``learning.py``)."""
+        return self._monitor.learning
 
     @property
     def last_fc_results(self) -> ForcedChoiceResults | None:
@@ -187,7 +204,7 @@ class TatBLiMPLightningCallback(Callback):
         # Before the loggers are finalized; the monitor scores nothing twice for the same weights and step.
         if self.eval_on_end and trainer.global_step != self._checked_step:
             self._score(trainer, pl_module)
-        self._monitor.finish()
+        self._monitor.finish(trainer.is_global_zero)
 
     # -- scoring and logging --------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..reading.jsonl import read_complete_lines
+from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from ..results.records_file import append_record
 
@@ -98,19 +99,63 @@ class WandbSection:
             self._defined_for = run.id
         run.log({**metrics, "train/global_step": step})
 
-    def log_results(self, prefix: str, results: Results, acquisition: dict[str, int | None]) -> None:
-        """The end of training: a table of the final results, and the final numbers and acquisition steps in the summary."""
+    def log_results(
+        self, prefix: str, results: Results, acquisition: dict[str, int | None], learning: LearningSummary | None = None
+    ) -> None:
+        """The end of training: a table of the final results (with ``learning``, each phenomenon's acquisition step,
+        fitted step and trend), and the final numbers and acquisition steps in the summary."""
         run = wandb_run()
         if run is None:
             return
         import wandb
 
         columns, rows = results.phenomenon_table()
+        if learning is not None:
+            columns, rows = learning_columns(columns, rows, acquisition, learning)
         run.log({f"{prefix}/results": wandb.Table(columns=columns, data=rows)})
         run.summary[f"{prefix}/acc"] = results.acc
         run.summary[f"{prefix}/acc_norm"] = results.acc_norm
         for name, step in acquisition.items():
             run.summary[f"{prefix}/acquisition/{name}"] = "never" if step is None else step  # wandb drops None
+
+
+def learning_columns(
+    columns: list[str], rows: list[list[Any]], acquisition: dict[str, int | None], learning: LearningSummary
+) -> tuple[list[str], list[list[Any]]]:
+    """``phenomenon_table``'s (columns, rows) with the acquisition step (threshold), the fitted acquisition step
+    with its 95% interval (or why there is none) and the latest trend of each phenomenon ("-" for overall)."""
+
+    def threshold_step(name: str) -> str:
+        return "-" if name not in acquisition else "never" if acquisition[name] is None else str(acquisition[name])
+
+    extra = []
+    for row in rows:
+        name = row[0]
+        fit, trend = learning.fits.get(name), learning.trends.get(name)
+        extra.append(
+            [
+                threshold_step(name),
+                fit.describe() if fit is not None else "-",
+                f"{trend.direction} ({trend.difference:+.3f} since step {trend.from_step})" if trend is not None else "-",
+            ]
+        )
+    columns = [*columns, "acquired (threshold)", "acquired (fit) [95%]", "trend"]
+    return columns, [[*row, *more] for row, more in zip(rows, extra)]
+
+
+def learning_line(learning: LearningSummary) -> str:
+    """One line for the console at the end of training: which phenomena are still rising, flat or falling."""
+    groups: dict[str, list[str]] = {"rising": [], "flat": [], "falling": []}
+    for name, trend in learning.trends.items():
+        groups[trend.direction].append(name)
+    if not learning.trends:
+        return "tatblimp: trend: fewer than two evaluations"
+    step = next(iter(learning.trends.values()))
+    told = "; ".join(
+        f"{direction} {len(names)}" + (f" ({', '.join(names)})" if names and direction != "flat" else "")
+        for direction, names in groups.items()
+    )
+    return f"tatblimp: trend from step {step.from_step} to {step.to_step}: {told}"
 
 
 def console_line(step: int, metrics: dict[str, float], prefix: str) -> str:
@@ -153,9 +198,10 @@ class HistoryFile:
         kept = [line for line in lines if json.loads(line).get("step") in kept_steps]
         self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
-    def append(self, step: int, results: Results) -> None:
+    def append(self, step: int, results: Results, extra: dict[str, Any] | None = None) -> None:
+        """Append the line of ``step``; ``extra``: more fields for it (the step's ``alerts``)."""
         # A suite's results are lines of their own history file.
-        record = {"step": step, **{k: v for k, v in results.to_dict().items() if k not in ("pairs", "suites")}}
+        record = {"step": step, **{k: v for k, v in results.to_dict().items() if k not in ("pairs", "suites")}, **(extra or {})}
         append_record(self.path, record)
 
 

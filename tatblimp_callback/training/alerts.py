@@ -1,0 +1,106 @@
+"""The callback's regression alerts, and what it keeps for the end of training's learning summary.
+
+After each evaluation ``RegressionAlerts.observe`` hands the results (TatBLiMP's and each suite's per-pair
+outcomes) to ``regressions.RegressionMonitor``; each alert it raises is a warning line, one more in the
+``<prefix>/alerts`` count, an entry under ``alerts`` in that step's history-file record and, where a wandb run
+is active, ``run.alert(title, text, level=WARN)`` (wandb's email or Slack notification). An error here is
+logged and never stops training. It also keeps TatBLiMP's outcomes of every evaluation, from which the end of
+training fits each phenomenon's acquisition and reads its trend (``learning.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..reading.jsonl import read_complete_lines
+from ..results.learning import LearningSummary, learning_summary
+from ..results.metrics import Results
+from ..results.regressions import RegressionAlert, RegressionMonitor
+from ..results.stats import Outcomes
+from .reporting import learning_line, print_line, wandb_run
+
+logger = logging.getLogger(__name__)
+
+
+class RegressionAlerts:
+    """Regression alerts of one training run (``enabled``: ``alert_on_regression``), keys under ``prefix``."""
+
+    def __init__(self, enabled: bool, alpha: float, min_drop: float, prefix: str, restored: Sequence[dict[str, Any]] = ()):
+        self.enabled, self.prefix = enabled, prefix
+        self.monitor = RegressionMonitor(alpha, min_drop)
+        self.alerts: list[RegressionAlert] = []
+        # A resumed run's count goes on from its restored log history (the comparisons start again there).
+        self.count = int(max((entry.get(f"{prefix}/alerts", 0) for entry in restored), default=0))
+        self.evaluations: list[tuple[int, Outcomes]] = []  # TatBLiMP's outcomes at each step, for the summary
+        self._by_step: dict[int, list[RegressionAlert]] = {}
+
+    def observe(self, step: int, results: Results, main_process: bool = True) -> dict[str, float]:
+        """Check the evaluation at ``step``; returns the metrics to log with it: ``<prefix>/alerts``, the run's count,
+        from its first alert on (as ``<prefix>/failures``)."""
+        try:
+            outcomes = {self.prefix: Outcomes.from_dict(results.outcomes())}
+            self.evaluations.append((step, outcomes[self.prefix]))
+            if not self.enabled:
+                return {}
+            outcomes.update({name: Outcomes.from_dict(suite.outcomes()) for name, suite in results.suites.items()})
+            raised = self.monitor.observe(step, outcomes)
+        except Exception as error:  # a monitoring error never stops training
+            logger.warning("tatblimp: step %d: the regression check failed (%s: %s)", step, type(error).__name__, error)
+            return {}
+        self._by_step[step] = raised
+        self.alerts += raised
+        self.count += len(raised)
+        if main_process:
+            for alert in raised:
+                logger.warning("tatblimp: REGRESSION: %s", alert.text)
+                self._to_wandb(alert)
+        return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}  # as failures: once there are any
+
+    def restore(self, path: os.PathLike | str) -> None:
+        """A resumed run: the evaluations kept in its history file (those up to the checkpoint) go through the monitor
+        again, silently, so that the next evaluation is compared with the run's best, not only with the evaluations
+        after the resume. TatBLiMP only: a suite's comparisons start again at the resume."""
+        try:
+            records = [json.loads(line) for line in read_complete_lines(Path(path)) if line.strip()]
+            for record in sorted(records, key=lambda r: r["step"]):
+                outcomes = Outcomes.from_record(record)
+                self.evaluations.append((record["step"], outcomes))
+                if self.enabled:
+                    self.monitor.observe(record["step"], {self.prefix: outcomes})
+        except (OSError, ValueError, KeyError) as error:
+            logger.warning("tatblimp: the regression check starts afresh: cannot read %s (%s)", path, error)
+
+    def fields(self, step: int) -> dict[str, Any]:
+        """What the history-file record of ``step`` gets: ``{"alerts": [...]}`` while alerts are on."""
+        if not self.enabled:
+            return {}
+        return {"alerts": [alert.to_dict() for alert in self._by_step.get(step, [])]}
+
+    def summary(self, main_process: bool = True) -> LearningSummary | None:
+        """Fits and trends of TatBLiMP's phenomena over the evaluations seen (``learning.learning_summary``), the
+        trends also said in one console line (main process); None (and a warning) if they cannot be computed."""
+        try:
+            summary = learning_summary(self.evaluations)
+        except Exception as error:  # a monitoring error never stops training
+            logger.warning("tatblimp: the learning summary failed (%s: %s)", type(error).__name__, error)
+            return None
+        if main_process:
+            print_line(learning_line(summary))
+        return summary
+
+    @staticmethod
+    def _to_wandb(alert: RegressionAlert) -> None:
+        run = wandb_run()
+        if run is None:
+            return
+        try:
+            import wandb
+
+            run.alert(title=alert.title, text=alert.text, level=wandb.AlertLevel.WARN, wait_duration=1)
+        except Exception as error:
+            logger.warning("tatblimp: could not send the alert to wandb (%s: %s)", type(error).__name__, error)

@@ -1,0 +1,169 @@
+"""Regression alerts in a real Trainer run with offline wandb (read back with ``wandb leet inspect --json``).
+
+A tiny Llama learns three made-up phenomena of a benchmark written here: after "a<i> b<j>" comes "z" (not "w"),
+after "c<i> b<j>" "x" (not "y"), after "d<i> b<j>" "u" (not "v"). At step 24 a callback swaps the LM head's rows of
+"z" and "w": every other token's log-prob stays exactly what it was (the same logits, permuted), but the first
+phenomenon's good and bad sentences trade places, so it falls from its best to near zero at that step. Its
+learning rate then drops to 1e-4, so the weights keep changing (every later evaluation is scored again) but the
+fall stays. The same run without the swap is the control.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tatblimp_callback.results.learning import AcquisitionFit
+from trainer_utils import run_wandb_script, wandb_records
+
+SCRIPT = r"""
+import json, logging, sys
+sys.path.insert(0, {tests!r})
+import torch, wandb
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments
+from tatblimp_callback import TatBLiMPCallback
+
+PERTURB, OUT = {perturb!r}, {out!r}
+groups = [("target", "a", 6, 4, "z", "w"), ("other", "c", 25, 10, "x", "y"), ("third", "d", 25, 10, "u", "v")]
+pairs = [
+    {{"good": f"{{w}}{{i}} b{{j}} {{g}}", "bad": f"{{w}}{{i}} b{{j}} {{b}}", "phenomenon": name}}
+    for name, w, many, contexts, g, b in groups for i in range(many) for j in range(contexts)
+]
+with open(OUT + "/pairs.jsonl", "w") as handle:
+    handle.writelines(json.dumps(pair) + "\n" for pair in pairs)
+words = sorted({{word for pair in pairs for s in (pair["good"], pair["bad"]) for word in s.split()}})
+vocab = {{token: index for index, token in enumerate(["<pad>", "<s>", "</s>", *words])}}
+core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False)
+model = LlamaForCausalLM(config)
+ids = [[1, *tokenizer(pair["good"], add_special_tokens=False)["input_ids"], 2] for pair in pairs]
+train = [{{"input_ids": s, "labels": s}} for s in ids * 8]
+
+class Perturb(TrainerCallback):
+    # At step 24: the rows of "z" and "w" swapped in the LM head; then a learning rate of 1e-4.
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step >= 24:
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-4
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if PERTURB and state.global_step == 24:
+            z, w = vocab["z"], vocab["w"]
+            with torch.no_grad():
+                head = model.lm_head.weight
+                head[[z, w]] = head[[w, z]].clone()
+
+seen = []
+class Seen(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("tatblimp_callback").addHandler(Seen(level=logging.WARNING))
+
+args = TrainingArguments(output_dir=OUT, max_steps=40, per_device_train_batch_size=32, learning_rate=1e-2,
+                         lr_scheduler_type="constant", logging_steps=4, report_to=["wandb"], save_strategy="no",
+                         seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[Perturb()])
+run = wandb.init(project="tatblimp-test")
+sent = []
+original = run.alert
+def alert(*a, **k):
+    sent.append(k)
+    return original(*a, **k)
+run.alert = alert
+callback = TatBLiMPCallback.attach(trainer, data=OUT + "/pairs.jsonl", allow_modified=True, eval_steps=4)
+trainer.train()
+with open(OUT + "/seen.json", "w") as handle:
+    json.dump({{"warnings": seen, "sent": sent, "learning": callback.learning.to_dict(),
+               "log_history": [e for e in trainer.state.log_history if "tatblimp/acc" in e]}}, handle, default=str)
+print("RUN_DIR=" + wandb.run.dir.rsplit("/files", 1)[0])
+wandb.finish()
+"""
+
+
+def run(tmp_path: Path, perturb: bool) -> tuple[dict, list[dict], list[dict], str]:
+    out = tmp_path / ("perturbed" if perturb else "control")
+    out.mkdir()
+    (run_dir,) = run_wandb_script(SCRIPT.format(tests=str(Path(__file__).parent), out=str(out), perturb=perturb), tmp_path)
+    seen = json.loads((out / "seen.json").read_text(encoding="utf-8"))
+    history = [json.loads(line) for line in (out / "tatblimp_history.jsonl").read_text(encoding="utf-8").splitlines()]
+    return seen, history, wandb_records(run_dir), run_dir
+
+
+@pytest.mark.slow
+def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_never(tmp_path):
+    seen, history, records, run_dir = run(tmp_path, perturb=True)
+    steps = [r["step"] for r in history]
+    assert steps == list(range(0, 41, 4))
+    score = {r["step"]: r["phenomena"]["target"]["acc_norm"] for r in history}
+    assert max(score[s] for s in steps if s < 24) >= 0.9 and score[24] <= 0.1  # learned, then made to fall
+    # The history file: one alert, at step 24, for the phenomenon that fell (the overall fell by under 5 points).
+    assert all("alerts" in r for r in history)
+    alerts = [a for r in history for a in r["alerts"]]
+    assert len(alerts) == 1 and [a["step"] for r in history for a in r["alerts"]] == [24]
+    (alert,) = alerts
+    best = max((s for s in steps if s < 24), key=lambda s: (score[s], -s))
+    assert (alert["benchmark"], alert["group"], alert["best_step"]) == ("tatblimp", "target", best)
+    assert alert["best_score"] == score[best] and alert["score"] == score[24] and alert["q_value"] < 1e-4
+    # The warning line names the phenomenon, both steps, both scores and q.
+    (line,) = [w for w in seen["warnings"] if "REGRESSION" in w]
+    for part in ("target", f"step {best}", "step 24", f"{score[best]:.4f}", f"{score[24]:.4f}", "q = "):
+        assert part in line
+    # The count, logged from the first alert on (as failures): 1 from step 24.
+    counts = {e["step"]: e["tatblimp/alerts"] for e in seen["log_history"] if "tatblimp/alerts" in e}
+    assert counts == {s: 1.0 for s in steps if s >= 24}
+    wandb_counts = {
+        r["history"]["item"]["train/global_step"]: r["history"]["item"]["tatblimp/alerts"]
+        for r in records
+        if r["type"] == "history" and "tatblimp/alerts" in r["history"]["item"]
+    }
+    assert wandb_counts == counts
+    # wandb.run.alert, recorded by offline wandb as an alert record: once, WARN, with the alert's text.
+    sent = [r["alert"] for r in records if r["type"] == "alert"]
+    assert len(sent) == 1 and sent[0]["level"] == "WARN" and sent[0]["title"] == "tatblimp: target fell"
+    assert sent[0]["text"] == line.split("REGRESSION: ")[1]
+    assert len(seen["sent"]) == 1  # the call itself, seen by wrapping the run's method
+    # The end-of-training table has the fitted acquisition step and the trend.
+    (table,) = [
+        r["history"]["item"] for r in records if r["type"] == "history" and "tatblimp/results.path" in r["history"]["item"]
+    ]
+    logged = json.loads((Path(run_dir) / "files" / table["tatblimp/results.path"]).read_text(encoding="utf-8"))
+    columns = logged["columns"]
+    assert columns[-3:] == ["acquired (threshold)", "acquired (fit) [95%]", "trend"]
+    rows = {row[0]: dict(zip(columns, row)) for row in logged["data"]}
+    trends, fits = seen["learning"]["trends"], seen["learning"]["acquisition_fits"]
+    assert rows["target"]["trend"] == "flat (+0.000 since step 28)"  # fallen at 24, and it stays there
+    for name in ("target", "other", "third"):
+        assert rows[name]["trend"].split()[0] == trends[name]["direction"]
+        fit = AcquisitionFit(**{**fits[name], "interval": tuple(fits[name]["interval"] or ()) or None})
+        assert rows[name]["acquired (fit) [95%]"] == fit.describe()
+    assert rows["overall"]["trend"] == "-"
+
+    seen, history, records, _ = run(tmp_path, perturb=False)
+    assert [a for r in history for a in r["alerts"]] == [] and not [r for r in records if r["type"] == "alert"]
+    assert not [e for e in seen["log_history"] if "tatblimp/alerts" in e]
+    assert min(r["phenomena"]["target"]["acc_norm"] for r in history[6:]) >= 0.9  # the same run, not made to fall
+
+
+@pytest.mark.slow
+def test_a_resumed_run_compares_with_the_evaluations_before_its_checkpoint(bpe_tokenizer, small_data, tmp_path):
+    """The kept lines of the history file go through the monitor again: the trend at the end of the resumed run
+    reaches back to step 0 (before the checkpoint), as in the run without a break."""
+    from conftest import tiny_llama
+    from tatblimp_callback import TatBLiMPCallback
+    from trainer_utils import make_trainer
+
+    options = dict(max_steps=6, save_strategy="steps", save_steps=3)
+    whole = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2)
+    make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [whole], **options).train()
+    resumed = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2)
+    trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [resumed], **options)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert [step for step, _ in resumed._alerts.evaluations] == [0, 2, 4, 6]
+    assert {t.from_step for t in resumed.learning.trends.values()} == {0}
+    assert resumed.learning.trends == whole.learning.trends and resumed.learning.fits == whole.learning.fits
