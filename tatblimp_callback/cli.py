@@ -130,8 +130,8 @@ def run_score(args: argparse.Namespace) -> None:
     check_output_file(args.output, "--output")
     if args.endpoint is None and not args.model and (args.protocol == "forced-choice" or args.model_name):
         args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
-    if args.endpoint and args.protocol == "logprob":  # a completions endpoint: commands/backends.py
-        from .commands.backends import score_through_endpoint
+    if args.endpoint and args.protocol == "logprob":  # a completions endpoint
+        from .commands.endpoint_scoring import score_through_endpoint
 
         results = score_through_endpoint(args)
     elif args.endpoint or args.protocol == "forced-choice":
