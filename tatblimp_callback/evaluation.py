@@ -228,7 +228,7 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     device or dtype since it was made.
     """
     if getattr(evaluator, "backend", None) == "vllm" or is_vllm_engine(model):
-        return vllm_scorer_for(evaluator, model, build, options["truncate"])
+        return vllm_scorer_for(evaluator, model, build, options.get("truncate", False))
     device = model_device(model)
     if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
         device = torch.device("cpu")
