@@ -120,8 +120,19 @@ def test_a_sweep_on_vllm_starts_one_engine_per_checkpoint_and_equals_the_default
             save_model(run / f"checkpoint-{step}", bpe_tokenizer, seed=seed)
         runs[name] = run
     options = ["--data", str(small_data), "--allow-modified", "--no-progress"]
-    done = run_vllm("-m", "tatblimp_callback", "sweep", str(runs["vllm"]), *options, "--backend", "vllm", cwd=tmp_path)
+    done = run_vllm("-m", "tatblimp_callback", "-v", "sweep", str(runs["vllm"]), *options, "--backend", "vllm", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # Each checkpoint's engine is shut down before the next one starts.
+    events = [
+        line.split(" engine for ")[1].split(" ")[0:3] for line in done.stderr.splitlines() if "tatblimp: vLLM engine for" in line
+    ]
+    paths = [str(runs["vllm"] / f"checkpoint-{step}") for step in (1, 2)]
+    assert [(path, word) for path, word, *_ in events] == [
+        (paths[0], "started"),
+        (paths[0], "shut"),
+        (paths[1], "started"),
+        (paths[1], "shut"),
+    ]
     assert main(["sweep", str(runs["default"]), *options, "--include-pairs"]) == 0
     capsys.readouterr()
     mine, reference = ([json.loads(line) for line in (runs[n] / "tatblimp.jsonl").read_text().splitlines()] for n in runs)

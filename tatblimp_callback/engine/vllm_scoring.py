@@ -233,6 +233,7 @@ class VllmScorer:
             engine.shutdown()
         self.llm = None
         gc.collect()
+        logger.info("tatblimp: vLLM engine for %s shut down", os.fspath(self.model))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
