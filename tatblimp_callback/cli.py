@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     """Load the model named by ``model_dir`` and score it with the options in ``args``."""
     tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing (not even torch)
+    from .commands.backends import backend_options
     from .evaluation import evaluate
     from .reading.data import load_benchmark
     from .tokenized.tokenization import check_sentencepiece_mismatch
@@ -108,6 +109,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         truncate=args.truncate,
         suites=suites,
         include_tokens=getattr(args, "include_tokens", False),
+        **backend_options(args),
     )
     if mismatches is not None:
         results.run_info["sentencepiece_mismatches"] = mismatches
@@ -129,18 +131,23 @@ def report(results, output: str | None) -> None:
 
 def run_score(args: argparse.Namespace) -> None:
     check_output_file(args.output, "--output")
-    if args.endpoint is None and args.protocol == "forced-choice" and not args.model:
+    if args.endpoint is None and not args.model and (args.protocol == "forced-choice" or args.model_name):
         args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
-    if args.endpoint or args.protocol == "forced-choice":
-        return run_forced_choice(args)
-    if not args.model:
-        raise ValueError("name a model folder or Hub id to score (or --endpoint URL with --protocol forced-choice)")
-    results = evaluate_from_args(args, args.model)
-    results.run_info["model"] = args.model
-    from .engine import distributed
+    if args.endpoint and args.protocol == "logprob":  # a completions endpoint
+        from .commands.endpoint_scoring import score_through_endpoint
 
-    if args.tp_plan and distributed.world()[0] != 0:
-        return  # every process scored the same rows; process 0 reports
+        results = score_through_endpoint(args)
+    elif args.endpoint or args.protocol == "forced-choice":
+        return run_forced_choice(args)
+    else:
+        if not args.model:
+            raise ValueError("name a model folder or Hub id to score (or an --endpoint URL with --model-name)")
+        results = evaluate_from_args(args, args.model)
+        results.run_info["model"] = args.model
+        from .engine import distributed
+
+        if args.tp_plan and distributed.world()[0] != 0:
+            return  # every process scored the same rows; process 0 reports
     report(results, args.output)
     if results.pair_tokens is not None:
         from .results.token_results import edit_margins, format_edit_margins
@@ -166,8 +173,9 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--endpoint",
         metavar="URL",
-        help="an OpenAI-compatible server, e.g. http://localhost:8000/v1 (default with --protocol forced-choice "
-        "and no model folder: $OPENAI_BASE_URL)",
+        help="an OpenAI-compatible server, e.g. http://localhost:8000/v1: chat completions with --protocol forced-choice, "
+        "completions (token ids, echoed log-probs; needs --tokenizer) with logprob (default with --model-name or "
+        "--protocol forced-choice and no model folder: $OPENAI_BASE_URL)",
     )
     group.add_argument("--model-name", help="the model field of each endpoint request")
     group.add_argument(
@@ -228,7 +236,12 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         )
     else:
         from .chat.forced_choice import evaluate_forced_choice
+        from .commands.backends import uses_vllm
 
+        if uses_vllm(args):
+            raise ValueError(
+                "--backend vllm scores sentences (--protocol logprob); for forced choice, serve the model and use --endpoint"
+            )
         if not args.model:
             raise ValueError("name a chat model folder or Hub id, or an --endpoint URL")
         tokenizer_source(args.model, args.tokenizer)  # checks the paths first, loading nothing

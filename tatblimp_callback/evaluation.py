@@ -14,6 +14,7 @@ import torch
 from .engine import distributed
 from .engine.model_checks import input_device, weights_label
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
+from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, is_vllm_engine, vllm_scorer_for
 from .reading.data import Benchmark
 from .reading.suites import Suite, load_suite
 from .results.metrics import Results, compute_results
@@ -72,6 +73,10 @@ class Evaluator:
             ``suites.load_suite``); their results are in ``results.suites[name]``.
         include_tokens: also give each pair's token log-probs, token texts and edit span
             (``Results.pair_tokens``, see ``token_results``); the texts need ``tokenizer``.
+        backend: "transformers" (the default: the model is a ``torch.nn.Module``) or "vllm": the model is
+            a folder or Hub id that a vLLM engine is started for (with ``vllm_options``), or a ``vllm.LLM``
+            (taken as vLLM's whatever ``backend`` says); see ``vllm_scoring``.
+        vllm_options: the engine's options (``vllm_scoring.VllmOptions``) with ``backend="vllm"`` and a path.
 
     Raises:
         ValueError: neither ``tokenizer`` nor ``cache`` is given.
@@ -91,6 +96,8 @@ class Evaluator:
         cache_path: str | os.PathLike | None = None,
         suites: Mapping[str, Suite | str | os.PathLike] | None = None,
         include_tokens: bool = False,
+        backend: str = "transformers",
+        vllm_options: VllmOptions | None = None,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
@@ -108,7 +115,11 @@ class Evaluator:
         self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (suites or {}).items()}
         self._parts: list[tuple[str | None, SentenceCache, int]] = []  # (suite name or None, its cache, first sentence)
         self.include_tokens = include_tokens
-        self._scorer: Scorer | None = None
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.backend = backend
+        self.vllm_options = vllm_options
+        self._scorer: Scorer | VllmScorer | None = None
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
         """Build (or move) the cache to the model's device and set up the scorer; done once per model."""
@@ -150,6 +161,7 @@ class Evaluator:
         Args:
             model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, FSDP, ``torch.compile``
                 or PEFT; it is scored in eval mode without gradients and put back in the mode it was in.
+                With ``backend="vllm"``: a model folder or Hub id, or a ``vllm.LLM``.
             suites: the names of the suites to score this time (default: all); TatBLiMP is always scored.
 
         Returns:
@@ -215,6 +227,8 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     and moved there when it is elsewhere; the scorer is made again when the model moved to another
     device or dtype since it was made.
     """
+    if getattr(evaluator, "backend", None) == "vllm" or is_vllm_engine(model):
+        return vllm_scorer_for(evaluator, model, build, options.get("truncate", False))
     device = model_device(model)
     if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
         device = torch.device("cpu")
@@ -231,13 +245,20 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 def timed_score(scorer: Scorer, sequences: range | list[int] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """``scorer.score(sequences)``, and how it was computed: the method, seconds, padding and sharing, retries,
     ``weights``, the label (``model_checks.weights_label``) of the weights it measured, and what made it
-    (``provenance``: versions, dtype, device, date)."""
+    (``provenance``: versions, dtype, device, date), and the ``backend`` that scored."""
+    if isinstance(scorer, VllmScorer):
+        start = time.perf_counter()
+        logprobs = scorer.score(sequences)
+        seconds = time.perf_counter() - start
+        info = {"backend": "vllm", "scoring_method": "vllm", "seconds": seconds, "startup_seconds": scorer.startup_seconds}
+        return logprobs, {**info, "weights": None, **provenance(), **scorer.describe()}
     weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score() if sequences is None else scorer.score(sequences)  # as before when all are scored
     seconds = time.perf_counter() - start
     layout = scorer.layout(sequences=sequences)
     return logprobs, {
+        "backend": "transformers",
         "scoring_method": str(scorer.method),
         "seconds": seconds,
         "padding_share": layout.padding_share,
@@ -258,13 +279,15 @@ def evaluate(
     tokenizes only once.
 
     Args:
-        model: a causal LM (``AutoModelForCausalLM``), on the device it should be scored on.
+        model: a causal LM (``AutoModelForCausalLM``), on the device it should be scored on; with
+            ``backend="vllm"`` a model folder or Hub id, or a ``vllm.LLM``.
         tokenizer: its Hugging Face tokenizer, or a ``SentencePieceTokenizer`` for a model trained on raw
             sentencepiece ids; not needed with ``cache=``.
         data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
-            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``).
+            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``,
+            ``backend``, ``vllm_options``).
 
     Returns:
         The metrics overall, per phenomenon and subtype, and per pair.

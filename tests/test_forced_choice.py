@@ -305,7 +305,7 @@ def test_cli_forced_choice_end_to_end(model, chat_tokenizer, fc_data, reference,
     )
     assert "forced-choice prompt must contain {a} and {b}" in capsys.readouterr().err
     assert main(["score", "--endpoint", "http://127.0.0.1:9/v1", "--model-name", "m", "--data", str(fc_data)]) == 1
-    assert "--endpoint needs --protocol forced-choice" in capsys.readouterr().err
+    assert "--protocol logprob with --endpoint needs --tokenizer" in capsys.readouterr().err
 
 
 def _sft_dataset(tokenizer, count: int = 32) -> list[dict]:

@@ -95,12 +95,12 @@ def test_a_sweep_record_says_what_made_it(model_dir, small_data, tmp_path):
 
 
 def test_endpoint_answers_of_the_whole_benchmark_are_not_reused_for_a_selection(small_data, tmp_path):
-    from tatblimp_callback.chat.endpoint import EndpointError, _load_results, _open_results
+    from tatblimp_callback.chat.endpoint import EndpointError, _load_results, open_results
 
     benchmark = load_benchmark(small_data, allow_modified=True)
     header = {"tatblimp_forced_choice": 1, "model": "m", "benchmark_md5": benchmark.md5, "prompt": "p", "system_prompt": None}
     path = tmp_path / "answers.jsonl"
-    with _open_results(path, {**header, "benchmark_selection": None}) as sink:
+    with open_results(path, {**header, "benchmark_selection": None}) as sink:
         sink.write(json.dumps({"item": 0, "text": "A"}) + "\n")
     assert _load_results(path, {**header, "benchmark_selection": None}, 96) == {0: "A"}
     selection = benchmark.select(limit=1).selection

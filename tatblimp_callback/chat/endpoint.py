@@ -93,6 +93,8 @@ class ChatClient:
             server's ``Retry-After`` header asks.
     """
 
+    PATH = "/chat/completions"  # the route asked, below the base URL
+
     url: str | None
     model_name: str
     api_key: str | None = field(default=None, repr=False)
@@ -106,7 +108,7 @@ class ChatClient:
         openai = _import_openai()
         base_url = None
         if self.url is not None:
-            base_url = self.url.rstrip("/").removesuffix("/chat/completions")
+            base_url = self.url.rstrip("/").removesuffix(self.PATH)
             if not base_url.startswith(("http://", "https://")):
                 raise EndpointError(f"endpoint URL must start with http:// or https://, got {self.url!r}")
         self.retries = 0  # retries done, over all requests
@@ -121,7 +123,7 @@ class ChatClient:
             max_retries=self.max_retries,
             http_client=http_client,
         )
-        self.endpoint = str(self._client.base_url).rstrip("/") + "/chat/completions"
+        self.endpoint = str(self._client.base_url).rstrip("/") + self.PATH
         self._openai = openai
 
     def _count_attempt(self, request) -> None:
@@ -129,17 +131,29 @@ class ChatClient:
 
     def ask(self, messages: list[dict]) -> str:
         """The reply's text (``choices[0].message.content``); for a 200 reply that is no chat completion, its body."""
+        # The raw reply: a 200 whose body is not a chat completion is an answer too (counted unparsed).
+        return _reply_text(
+            self.send(
+                lambda client: client.chat.completions.with_raw_response.create(
+                    model=self.model_name,
+                    messages=messages,
+                    max_tokens=self.max_tokens,
+                    temperature=self.temperature,
+                    extra_body=self.extra_body,
+                )
+            )
+        )
+
+    def send(self, request) -> bytes:
+        """The body of the raw reply ``request(openai_client)`` gets, with the client's retries counted.
+
+        Raises:
+            EndpointRejected: a 4xx reply other than 408, 409, 429 (the request itself is wrong).
+            EndpointError: retries exhausted (5xx, 408, 409, 429, connection errors, timeouts).
+        """
         self._attempts.count = 0
         try:
-            # The raw reply: a 200 whose body is not a chat completion is an answer too (counted unparsed).
-            response = self._client.chat.completions.with_raw_response.create(
-                model=self.model_name,
-                messages=messages,
-                max_tokens=self.max_tokens,
-                temperature=self.temperature,
-                extra_body=self.extra_body,
-            )
-            return _reply_text(response.http_response.content)
+            return request(self._client).http_response.content
         except self._openai.APIStatusError as err:
             detail = err.response.content[:300].decode("utf-8", "replace")
             if err.status_code < 500 and err.status_code not in _RETRIED_STATUS:
@@ -194,8 +208,7 @@ def evaluate_endpoint(
     texts: dict[int, str] = _load_results(Path(results_path), header, len(conversations)) if results_path else {}
     resumed = len(texts)
     pending = [k for k in range(len(conversations)) if k not in texts]
-    sink = _open_results(Path(results_path), header) if results_path else None
-    failed: list[tuple[int, str]] = []
+    sink = open_results(Path(results_path), header) if results_path else None
 
     def keep(k: int, text: str) -> None:
         """An answer, saved as it arrives: an interrupted run keeps every answer it paid for."""
@@ -207,43 +220,20 @@ def evaluate_endpoint(
         if bar is not None:
             bar.update(1)
 
-    bar = _progress(progress, len(conversations), resumed)
+    bar = progress_bar(progress, len(conversations), resumed)
     start = time.perf_counter()
-    # At most ``concurrency`` requests exist at any time: on Ctrl-C or a rejected request nothing more is sent,
-    # and the few already on their way are waited for and kept (a queue of all items would send them all first).
-    queue = iter(pending)
-    in_flight: dict[Future, int] = {}
     try:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            try:
-                while True:
-                    while len(in_flight) < concurrency and (k := next(queue, None)) is not None:
-                        in_flight[pool.submit(client.ask, conversations[k])] = k
-                    if not in_flight:
-                        break
-                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        k = in_flight.pop(future)
-                        try:
-                            keep(k, future.result())
-                        except EndpointRejected:
-                            raise
-                        except EndpointError as err:
-                            failed.append((k, str(err)))
-            except BaseException:  # Ctrl-C, a rejected request: keep what is still on its way, send nothing more
-                _keep_answers_in_flight(in_flight, keep)
-                if results_path:
-                    logger.warning(
-                        "tatblimp: stopped; %d answers are in %s, a rerun asks only the rest", len(texts), results_path
-                    )
-                raise
+        failed = send_all(client.ask, conversations, pending, keep, concurrency)
+    except BaseException:
+        if results_path:
+            logger.warning("tatblimp: stopped; %d answers are in %s, a rerun asks only the rest", len(texts), results_path)
+        raise
     finally:
         if sink is not None:
             sink.close()
         if bar is not None:
             bar.close()
     if failed:
-        failed.sort()
         where = f"; the {len(texts)} answered items are in {results_path}, rerun to ask only the rest" if results_path else ""
         raise EndpointError(f"{len(failed)} of {len(conversations)} items failed (item {failed[0][0]}: {failed[0][1]}){where}")
 
@@ -262,6 +252,39 @@ def evaluate_endpoint(
     return compute_choice_results(
         benchmark, items, model=client.model_name, prompt=prompt, system_prompt=system_prompt, run_info=extra
     )
+
+
+def send_all(ask, requests, pending, keep, concurrency: int) -> list[tuple[int, str]]:
+    """``keep(k, ask(requests[k]))`` for every ``k`` of ``pending``, ``concurrency`` at a time; the items that failed.
+
+    Returns the ``(k, error)`` of the items whose ``ask`` raised ``EndpointError`` (retries exhausted), sorted.
+    At most ``concurrency`` requests exist at any time: on Ctrl-C or a rejected request (``EndpointRejected``)
+    nothing more is sent, the few already on their way are waited for and kept, and the exception goes on
+    (a queue of all items would send them all first).
+    """
+    failed: list[tuple[int, str]] = []
+    queue = iter(pending)
+    in_flight: dict[Future, int] = {}
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        try:
+            while True:
+                while len(in_flight) < concurrency and (k := next(queue, None)) is not None:
+                    in_flight[pool.submit(ask, requests[k])] = k
+                if not in_flight:
+                    break
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    k = in_flight.pop(future)
+                    try:
+                        keep(k, future.result())
+                    except EndpointRejected:
+                        raise
+                    except EndpointError as err:
+                        failed.append((k, str(err)))
+        except BaseException:  # Ctrl-C, a rejected request: keep what is still on its way, send nothing more
+            _keep_answers_in_flight(in_flight, keep)
+            raise
+    return sorted(failed)
 
 
 def _keep_answers_in_flight(in_flight: dict[Future, int], keep) -> None:
@@ -303,17 +326,20 @@ def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
     return texts
 
 
-def _open_results(path: Path, header: dict):
-    sink = open_for_append(path)  # a partial last line of a killed run cut off first
+def open_results(path: Path, header: dict):
+    """``path`` opened to append (a partial last line of a killed run cut off first), its ``header`` line written
+    first when it is new or empty."""
+    sink = open_for_append(path)
     if path.stat().st_size == 0:
         sink.write(json.dumps(header, ensure_ascii=False) + "\n")
         sink.flush()
     return sink
 
 
-def _progress(enabled: bool, total: int, done: int):
+def progress_bar(enabled: bool, total: int, done: int, desc: str = "tatblimp forced choice", unit: str = "item"):
+    """A tqdm bar on stderr (None when not ``enabled``), starting at ``done`` of ``total``."""
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=done, desc="tatblimp forced choice", unit="item")
+    return tqdm(total=total, initial=done, desc=desc, unit=unit)

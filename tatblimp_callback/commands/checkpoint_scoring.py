@@ -50,7 +50,10 @@ class CheckpointScorer:
             "attn_implementation": options.attn_implementation,
         }
         key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
-        model = load_model(str(checkpoint.path), self.device, options.dtype, **placement)  # no progress bars of its own
+        if options.backend == "vllm":  # an engine is started for the folder
+            model = str(checkpoint.path)
+        else:
+            model = load_model(str(checkpoint.path), self.device, options.dtype, **placement)  # no progress bars of its own
         if key not in self._evaluators:
             budget = self.options.memory_budget_mb
             self._evaluators[key] = Evaluator(
@@ -61,9 +64,16 @@ class CheckpointScorer:
                 memory_budget=budget * 2**20 if budget else None,
                 truncate=self.options.truncate,
                 suites=self.suites,
+                backend=options.backend,
+                vllm_options=options.vllm_options,
             )
-        results = self._evaluators[key](model)
-        self._evaluators[key]._scorer = None  # it holds this model: let it go before the next checkpoint loads
+        try:
+            results = self._evaluators[key](model)
+        finally:
+            close = getattr(self._evaluators[key]._scorer, "close", None)  # a vLLM engine: shut down before the next
+            if close is not None:
+                close()
+            self._evaluators[key]._scorer = None  # it holds this model: let it go before the next checkpoint loads
         record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
         if mismatches is not None:
             record["sentencepiece_mismatches"] = mismatches

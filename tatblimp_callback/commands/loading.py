@@ -17,6 +17,7 @@ from typing import Any
 from ..reading.hub import hub_cached, hub_unreachable, unreachable_message
 from ..tokenized.tokenization import SentencePieceTokenizer
 from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
+from .backends import add_backend_arguments, uses_vllm
 from .outputs import quiet_progress_bars
 from .placement import add_placement_arguments, placement_options
 
@@ -35,6 +36,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget-mb", type=int, help="extra memory one evaluation may use")
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
     add_placement_arguments(parser)
+    add_backend_arguments(parser)
 
 
 def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
@@ -205,9 +207,12 @@ def load_from_args(args: argparse.Namespace, model_dir: str):
     """(tokenizer source, tokenizer, model) for ``model_dir`` with the loader options in ``args``.
 
     ``--revision`` and ``--trust-remote-code`` apply to the tokenizer too when it comes from the model.
+    With ``--backend vllm`` the model is not loaded here: its ``model_dir`` is what vLLM starts an engine for.
     """
     source = tokenizer_source(model_dir, args.tokenizer)
     placement = placement_options(args)
     hub_options = {"revision": placement["revision"], "trust_remote_code": placement["trust_remote_code"]}
     tokenizer = load_tokenizer(source, **(hub_options if source == model_dir else {}))
+    if uses_vllm(args):
+        return source, tokenizer, model_dir
     return source, tokenizer, load_model(model_dir, args.device, args.dtype, **placement)

@@ -27,6 +27,7 @@ from ..reading.jsonl import read_complete_lines
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from ..results.records_file import append_record
+from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .loading import add_model_arguments
@@ -125,6 +126,13 @@ class SweepOptions:
 
     progress: bool = True
     """Show a progress bar with an ETA on stderr."""
+
+    backend: str = "transformers"
+    """What scores each checkpoint: "transformers" (loaded in this process) or "vllm" (one engine per checkpoint,
+    shut down before the next starts)."""
+
+    vllm_options: Any = None
+    """With ``backend="vllm"``: the engines' ``vllm_scoring.VllmOptions``; None: its defaults."""
 
     @property
     def poll_interval(self) -> float:
@@ -408,6 +416,7 @@ def run_sweep(args: argparse.Namespace) -> None:
     placement = placement_options(args)
     options = SweepOptions(**{f.name: getattr(args, f.name) for f in fields(SweepOptions) if hasattr(args, f.name)})
     options.max_memory = placement["max_memory"]
+    options.vllm_options = backend_options(args).get("vllm_options")
     report = sweep(args.run_dir, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return  # process 0 reports for all

@@ -98,10 +98,14 @@ def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> N
     """A clear error before any forward pass for meta-device weights or a tokenizer the model cannot embed."""
     if has_missing_weights(lm):
         raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
-    largest_token_id = max([int(cache.token_ids.max()), *cache.answer_ids])
     embedding = lm.get_input_embeddings()
     # A sharded weight's local shape is a shard's (ZeRO-3, FSDP1); num_embeddings is the real count.
-    embeddings = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
+    check_vocabulary(cache, getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0])
+
+
+def check_vocabulary(cache: SentenceCache, embeddings: int) -> None:
+    """A clear error for a prefix token or a tokenizer's id that a model with ``embeddings`` rows cannot embed."""
+    largest_token_id = max([int(cache.token_ids.max()), *cache.answer_ids])
     if not cache.answer_ids and not 0 <= cache.prefix_token_id < embeddings:  # the caller's choice, not the tokenizer's
         raise ScoringError(
             f"prefix token id {cache.prefix_token_id} is not a token of the model (its embedding has {embeddings} rows); "
@@ -141,7 +145,11 @@ def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) ->
 
     Forced-choice prompts are never cut: the question would be lost.
     """
-    context = getattr(lm.config, "max_position_embeddings", None)
+    return fit_cache_to_context(cache, getattr(lm.config, "max_position_embeddings", None), truncate)
+
+
+def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bool) -> SentenceCache:
+    """``fit_to_context`` for a model whose context is ``context`` tokens (None: unlimited)."""
     longest = max(cache.lengths)
     if context is None or longest <= context:
         return cache

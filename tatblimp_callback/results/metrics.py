@@ -262,6 +262,8 @@ class Results:
         """A plain-text table like the benchmark card's: each phenomenon, then overall, with 95% intervals."""
         width = max(len(name) for name in [*self.phenomena, "overall"])
         dtype = f"  dtype: {self.run_info['dtype']}" if self.run_info.get("dtype") else ""
+        if self.run_info.get("backend", "transformers") != "transformers":  # the default backend goes unsaid
+            dtype = f"  backend: {self.run_info['backend']}{dtype}"
         lines = [f"{self.benchmark_release}{dtype}  tokenizer: {self.tokenizer}"]
         lines.append(f"{'phenomenon':<{width}}  {'n':>5}  {'acc':>6}  {'95% CI':<14}  {'acc_norm':>8}  {'95% CI':<14}")
         rule = "-" * (width + 59)

