@@ -169,6 +169,17 @@ def fit(
     return trainer
 
 
+class Probe(L.Callback):
+    """What a callback after the TatBLiMP one reads in ``trainer.callback_metrics`` after each batch."""
+
+    def __init__(self, key: str = "tatblimp/acc_norm"):
+        self.key, self.seen = key, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = trainer.callback_metrics.get(self.key)
+        self.seen[trainer.global_step] = None if value is None else value.item()
+
+
 def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_tokenizer, small_data):
     options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
     first = TatBLiMPLightningCallback(**options)
@@ -239,9 +250,10 @@ def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bp
 
     monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
     options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
-    callback = TatBLiMPLightningCallback(**options)
-    trainer = fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path / "goes-on", 3, bpe_tokenizer)
+    callback, probe = TatBLiMPLightningCallback(**options), Probe()
+    trainer = fit(Wrapped(len(bpe_tokenizer)), None, tmp_path / "goes-on", 3, bpe_tokenizer, callbacks=[callback, probe])
     assert trainer.global_step == 3 and callback.failures == 1
+    assert probe.seen[1] == callback.history[0]["tatblimp/acc_norm"]  # the failed step keeps the last value
     assert [e["step"] for e in callback.history] == [0, 2, 3]  # step 1 failed: no point there
     assert callback.history[-1]["tatblimp/failures"] == 1.0
     with (tmp_path / "goes-on" / "csv" / "version_0" / "metrics.csv").open() as handle:
@@ -311,109 +323,3 @@ def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bp
     assert "with eval_on_start=False, tatblimp/acc_norm is there only from the first evaluation (step 2)" in caplog.text
     assert "checks every" not in caplog.text
     assert checkpoint.best_model_score.item() == max(e["tatblimp/acc_norm"] for e in callback.history)
-
-
-# -- ModelCheckpoint and EarlyStopping monitoring tatblimp/acc_norm ----------------------------------
-
-
-class Perturbed(L.Callback):
-    """Moves the weights by seeded noise after each optimizer step up to ``until``: scores that go up and down."""
-
-    def __init__(self, until: int = 10**9, scale: float = 0.05):
-        self.until, self.scale = until, scale
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step <= self.until:
-            generator = torch.Generator().manual_seed(trainer.global_step)
-            with torch.no_grad():
-                for parameter in pl_module.parameters():
-                    parameter.add_(torch.randn(parameter.shape, generator=generator) * self.scale)
-
-
-class Probe(L.Callback):
-    """What a callback after the TatBLiMP one reads in ``trainer.callback_metrics`` after each batch."""
-
-    def __init__(self, key: str = "tatblimp/acc_norm"):
-        self.key, self.seen = key, {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        value = trainer.callback_metrics.get(self.key)
-        self.seen[trainer.global_step] = None if value is None else value.item()
-
-
-def history_lines(path: Path) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in read_complete_lines(path)]
-
-
-def test_model_checkpoint_keeps_the_best_scored_step_whatever_the_callback_order(tmp_path, bpe_tokenizer, small_data):
-    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
-    checkpoint = ModelCheckpoint(
-        dirpath=tmp_path / "ckpt", monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=1, save_top_k=1, filename="{step}"
-    )
-    # ModelCheckpoint listed first: Lightning runs checkpoints after the other callbacks, so after the scoring.
-    fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, 6, bpe_tokenizer, callbacks=[checkpoint, Perturbed(), callback])
-    lines = history_lines(tmp_path / "tatblimp_history.jsonl")
-    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]
-    best = max(lines[1:], key=lambda line: line["acc_norm"])  # step 0 comes before training: never a checkpoint
-    assert best["step"] != lines[-1]["step"]  # the best is not merely the last
-    assert Path(checkpoint.best_model_path).name == f"step={best['step']}.ckpt"
-    assert checkpoint.best_model_score.item() == best["acc_norm"]
-    # The best checkpoint holds the very weights that scored best.
-    state = torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"]
-    weights = {name.removeprefix("model."): value for name, value in state.items()}
-    assert fresh_metrics(weights, bpe_tokenizer, small_data)["tatblimp/acc_norm"] == best["acc_norm"]
-
-
-def test_early_stopping_stops_when_acc_norm_stops_improving(tmp_path, bpe_tokenizer, small_data):
-    from lightning.pytorch.callbacks import EarlyStopping
-
-    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
-    stopping = EarlyStopping(monitor="tatblimp/acc_norm", mode="max", patience=2)  # strict: a missing key raises
-    # Two batches an epoch, EarlyStopping checks at each epoch end; the weights change up to step 4, then stay.
-    trainer = fit(
-        Wrapped(len(bpe_tokenizer), lr=0.0),
-        None,
-        tmp_path,
-        -1,
-        bpe_tokenizer,
-        callbacks=[stopping, Perturbed(until=4, scale=0.1), callback],
-        rows=8,
-        max_epochs=20,
-    )
-    checked = [(e["step"], e["tatblimp/acc_norm"]) for e in callback.history if e["step"] > 0]
-    best, wait, stop = float("-inf"), 0, None
-    for step, value in checked:  # EarlyStopping's rule over the scores it saw
-        best, wait = (value, 0) if value > best else (best, wait + 1)
-        if wait >= stopping.patience:
-            stop = step
-            break
-    assert stop is not None and stop < 40
-    assert trainer.global_step == stop and trainer.current_epoch == stop // 2
-    assert stopping.best_score.item() == best == max(v for _, v in checked)
-    assert [e["step"] for e in callback.history] == list(range(0, stop + 1, 2))
-
-
-def test_between_evaluations_the_monitored_keys_keep_the_last_value(tmp_path, bpe_tokenizer, small_data, caplog):
-    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=1)
-    probe = Probe()
-    # A validation run every 2 batches: ModelCheckpoint then raises on a monitored key that is missing.
-    with caplog.at_level("WARNING", logger="tatblimp_callback"):
-        fit(
-            Wrapped(len(bpe_tokenizer)),
-            None,
-            tmp_path,
-            5,
-            bpe_tokenizer,
-            callbacks=[callback, probe, checkpoint],
-            val=True,
-            val_check_interval=2,
-            num_sanity_val_steps=0,
-        )
-    values = {e["step"]: e["tatblimp/acc_norm"] for e in callback.history}
-    assert sorted(values) == [0, 2, 4, 5]
-    assert probe.seen == {1: values[0], 2: values[2], 3: values[2], 4: values[4], 5: values[5]}
-    assert "checks every 1 steps, TatBLiMP is scored every 2" in caplog.text
-    assert checkpoint.best_model_score.item() == max(probe.seen.values())

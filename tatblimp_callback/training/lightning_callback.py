@@ -5,8 +5,9 @@
 It scores the transformers model inside the ``LightningModule`` at global step 0 (before the first
 optimizer step), every ``eval_every_n_steps`` and at the last step, and logs ``tatblimp/...`` (and each
 suite's keys) once per evaluation, at that global step, to every logger of the Trainer (CSV,
-TensorBoard, wandb, ...) and to ``trainer.callback_metrics``, where ``ModelCheckpoint`` and ``EarlyStopping``
-read a monitored key (``monitor="tatblimp/acc_norm", mode="max"``; see ``lightning_monitoring.py``). The scoring itself, the history file, failures and resume are
+TensorBoard, wandb, ...) and to ``trainer.callback_metrics``, where ``ModelCheckpoint`` and
+``EarlyStopping`` read a monitored key (``monitor="tatblimp/acc_norm", mode="max"``; see
+``lightning_monitoring.py``). The scoring itself, the history file, failures and resume are
 ``in_loop.InLoopMonitor``'s, as in the Hugging Face callback. Needs ``lightning`` (``pip install
 tatblimp-callback[lightning]``); import it from ``tatblimp_callback.lightning``.
 """
@@ -79,7 +80,8 @@ class TatBLiMPLightningCallback(Callback):
     """Score before the first step (global step 0), so every curve starts at the untrained baseline."""
 
     eval_on_end: bool = True
-    """Score at the end of training if the last step is not a multiple of ``eval_every_n_steps``."""
+    """Score the last step if it is not a multiple of ``eval_every_n_steps``: at the end of its batch when it is
+    ``max_steps`` or the last batch of the last epoch (before the epoch-end checks), else when training ends."""
 
     raise_on_error: bool = False
     """Re-raise a scoring error and stop training. By default it is logged with its traceback,
@@ -191,9 +193,8 @@ class TatBLiMPLightningCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         # Several batches end at one global step under gradient accumulation: the first one decides.
-        # The last step (max_steps) is scored here rather than at on_train_end, before the epoch-end monitors.
-        last = self.eval_on_end and 0 < trainer.max_steps <= step
-        if step != self._checked_step and (step % self.eval_every_n_steps == 0 or last):
+        # The last step is scored here rather than at on_train_end: before the epoch-end monitors read it.
+        if step != self._checked_step and (step % self.eval_every_n_steps == 0 or (self.eval_on_end and _ends_training(trainer))):
             self._score(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -251,3 +252,12 @@ class TatBLiMPLightningCallback(Callback):
             self._monitor.guarded(each.log_metrics, dict(metrics), step)
         self._monitor.write_history(step, results)
         self._monitor.console(step, metrics, results)
+
+
+def _ends_training(trainer) -> bool:
+    """This batch's step is the run's last: ``max_steps`` reached, or the last batch of the last epoch."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    progress = getattr(trainer.fit_loop.epoch_loop, "batch_progress", None)  # what ModelCheckpoint reads too
+    last_epoch = trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.current_epoch + 1
+    return last_epoch and bool(getattr(progress, "is_last_batch", False))

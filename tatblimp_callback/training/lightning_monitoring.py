@@ -12,6 +12,7 @@ evaluations the keys keep the last evaluation's values.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ def expose(trainer, metrics: dict[str, float]) -> None:
 
 def warn_about_monitors(trainer, callback: Any) -> None:
     """Warn (rank 0) about each monitoring callback whose monitored key is one of ``callback``'s but which would
-    read it where no evaluation measured the weights: before the first one, or between two."""
+    read it where no evaluation measured the weights: before the first one, or between two (where its schedule
+    is known: ``every_n_train_steps``, or epoch ends of a known length; not validation runs)."""
     if not trainer.is_global_zero:
         return
     every = callback.eval_every_n_steps
@@ -44,7 +46,7 @@ def warn_about_monitors(trainer, callback: Any) -> None:
                 monitor,
                 every,
             )
-        steps = getattr(each, "_every_n_train_steps", 0) or 0
+        steps = _reads_every(trainer, each)
         if steps and steps % every:
             logger.warning(
                 "tatblimp: %s checks every %d steps, TatBLiMP is scored every %d: at the steps between, it reads the "
@@ -54,3 +56,18 @@ def warn_about_monitors(trainer, callback: Any) -> None:
                 steps,
                 every,
             )
+
+
+def _reads_every(trainer, each) -> int | None:
+    """Every how many steps the monitoring callback ``each`` reads its key, where Lightning's settings tell."""
+    steps = getattr(each, "_every_n_train_steps", 0) or 0
+    if steps:
+        return steps
+    epochs = getattr(each, "_every_n_epochs", 1) or 0
+    at_epoch_end = getattr(each, "_check_on_train_epoch_end", None)  # EarlyStopping's, set in its setup
+    if at_epoch_end is None and hasattr(each, "_should_save_on_train_epoch_end"):  # ModelCheckpoint's
+        at_epoch_end = each._should_save_on_train_epoch_end(trainer)
+    batches = trainer.num_training_batches
+    if not at_epoch_end or epochs < 1 or not isinstance(batches, int) or batches < 1:
+        return None
+    return math.ceil(batches / trainer.accumulate_grad_batches) * epochs
