@@ -76,6 +76,10 @@ def check_run(tmp_path: Path, ranks: list[dict], tokenizer, small_data) -> None:
     assert all(out["rng_same"] and all(out["rng_same"]) for out in ranks)
     assert all(out["train_mode"] and all(out["train_mode"]) for out in ranks)
 
+    # ModelCheckpoint(monitor="tatblimp/acc_norm", every_n_train_steps=2) on every rank kept the best-scored step.
+    top = max((e for e in history if e["step"] and e["step"] % 2 == 0), key=lambda e: e["tatblimp/acc_norm"])
+    assert all(out["best"] == (f"step={top['step']}.ckpt", top["tatblimp/acc_norm"]) for out in ranks)
+
     # CSVLogger: one row per evaluation, at its global step.
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("tatblimp/acc")]
