@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from torch.utils.data import DataLoader
 
@@ -98,6 +99,9 @@ def main(workdir: Path, devices: int) -> None:
     callback = TatBLiMPLightningCallback(
         tokenizer=tokenizer, data=workdir / "small.jsonl", allow_modified=True, eval_every_n_steps=EVERY
     )
+    best = ModelCheckpoint(
+        dirpath=workdir / "ckpt", monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=EVERY, filename="{step}"
+    )
     wandb_logger = WandbLogger(project="tatblimp-test", save_dir=str(workdir), offline=True)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -110,8 +114,7 @@ def main(workdir: Path, devices: int) -> None:
             TensorBoardLogger(str(workdir), name="tb", version=0),
             wandb_logger,
         ],
-        callbacks=[Around(record, True), callback, Around(record, False)],
-        enable_checkpointing=False,
+        callbacks=[Around(record, True), callback, Around(record, False), best],
         enable_progress_bar=False,
         log_every_n_steps=1,
     )
@@ -125,6 +128,7 @@ def main(workdir: Path, devices: int) -> None:
         "rng_same": record["rng_same"],
         "train_mode": record["train_mode"],
         "final_weights": {k: v.clone() for k, v in module.model.state_dict().items()},
+        "best": (Path(best.best_model_path).name, best.best_model_score.item()),
     }
     if rank == 0:
         out["wandb_dir"] = str(Path(wandb_logger.experiment.dir).parent)

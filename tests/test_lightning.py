@@ -76,6 +76,10 @@ def check_run(tmp_path: Path, ranks: list[dict], tokenizer, small_data) -> None:
     assert all(out["rng_same"] and all(out["rng_same"]) for out in ranks)
     assert all(out["train_mode"] and all(out["train_mode"]) for out in ranks)
 
+    # ModelCheckpoint(monitor="tatblimp/acc_norm", every_n_train_steps=2) on every rank kept the best-scored step.
+    top = max((e for e in history if e["step"] and e["step"] % 2 == 0), key=lambda e: e["tatblimp/acc_norm"])
+    assert all(out["best"] == (f"step={top['step']}.ckpt", top["tatblimp/acc_norm"]) for out in ranks)
+
     # CSVLogger: one row per evaluation, at its global step.
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("tatblimp/acc")]
@@ -120,33 +124,64 @@ def test_ddp_two_processes_score_sharded_and_rank_zero_logs(tmp_path, bpe_tokeni
 
 
 class Wrapped(L.LightningModule):
-    def __init__(self, vocab_size: int, attribute: str = "model"):
+    def __init__(self, vocab_size: int, attribute: str = "model", lr: float = 0.05):
         super().__init__()
         setattr(self, attribute, tiny_llama(vocab_size).train())
         self._name = attribute
+        self.lr = lr
 
     def training_step(self, batch, batch_idx):
         return getattr(self, self._name)(input_ids=batch, labels=batch).loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", getattr(self, self._name)(input_ids=batch, labels=batch).loss)
+
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def fit(module, callback, root: Path, max_steps: int, tokenizer, ckpt_path=None, checkpoint=None) -> L.Trainer:
-    blocks = torch.tensor([b["input_ids"] for b in corpus_blocks(tokenizer, lines=120)])
+def fit(
+    module,
+    callback,
+    root: Path,
+    max_steps: int,
+    tokenizer,
+    ckpt_path=None,
+    checkpoint=None,
+    callbacks=None,
+    rows=None,
+    val=False,
+    **options,
+) -> L.Trainer:
+    """A CPU ``lightning.Trainer`` run; ``callbacks`` (in that order) replaces ``[callback, checkpoint]``."""
+    blocks = torch.tensor([b["input_ids"] for b in corpus_blocks(tokenizer, lines=120)])[:rows]
+    callbacks = callbacks if callbacks is not None else [callback, *([checkpoint] if checkpoint else [])]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
         default_root_dir=str(root),
         logger=CSVLogger(str(root), name="csv"),
-        callbacks=[callback, *([checkpoint] if checkpoint else [])],
-        enable_checkpointing=checkpoint is not None,
+        callbacks=callbacks,
+        enable_checkpointing=any(isinstance(each, ModelCheckpoint) for each in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
+        **options,
     )
-    trainer.fit(module, DataLoader(blocks, batch_size=4), ckpt_path=ckpt_path)
+    loader = DataLoader(blocks, batch_size=4)
+    trainer.fit(module, loader, val_dataloaders=DataLoader(blocks[:4], batch_size=4) if val else None, ckpt_path=ckpt_path)
     return trainer
+
+
+class Probe(L.Callback):
+    """What a callback after the TatBLiMP one reads in ``trainer.callback_metrics`` after each batch."""
+
+    def __init__(self, key: str = "tatblimp/acc_norm"):
+        self.key, self.seen = key, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = trainer.callback_metrics.get(self.key)
+        self.seen[trainer.global_step] = None if value is None else value.item()
 
 
 def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_tokenizer, small_data):
@@ -156,9 +191,19 @@ def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_token
     fit(Wrapped(len(bpe_tokenizer)), first, tmp_path, 4, bpe_tokenizer, checkpoint=checkpoint)
     assert [e["step"] for e in first.history] == [0, 2, 4]
     # Resumed from step 2 (the run went on to 4 and stopped): step 4 is scored again, once, and 6 follows.
-    second = TatBLiMPLightningCallback(**options)
-    fit(Wrapped(len(bpe_tokenizer)), second, tmp_path, 6, bpe_tokenizer, ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
+    second, probe = TatBLiMPLightningCallback(**options), Probe()
+    fit(
+        Wrapped(len(bpe_tokenizer)),
+        None,
+        tmp_path,
+        6,
+        bpe_tokenizer,
+        ckpt_path=tmp_path / "ckpt" / "step=2.ckpt",
+        callbacks=[second, probe],
+    )
     assert [e["step"] for e in second.history] == [0, 2, 4, 6]
+    # Before its first evaluation (step 4), the resumed run's monitored keys hold the checkpoint's last values.
+    assert probe.seen[3] == first.history[1]["tatblimp/acc_norm"]
     assert second.history[:2] == first.history[:2]  # restored from the checkpoint, not scored again
     import json
 
@@ -209,9 +254,10 @@ def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bp
 
     monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
     options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
-    callback = TatBLiMPLightningCallback(**options)
-    trainer = fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path / "goes-on", 3, bpe_tokenizer)
+    callback, probe = TatBLiMPLightningCallback(**options), Probe()
+    trainer = fit(Wrapped(len(bpe_tokenizer)), None, tmp_path / "goes-on", 3, bpe_tokenizer, callbacks=[callback, probe])
     assert trainer.global_step == 3 and callback.failures == 1
+    assert probe.seen[1] == callback.history[0]["tatblimp/acc_norm"]  # the failed step keeps the last value
     assert [e["step"] for e in callback.history] == [0, 2, 3]  # step 1 failed: no point there
     assert callback.history[-1]["tatblimp/failures"] == 1.0
     with (tmp_path / "goes-on" / "csv" / "version_0" / "metrics.csv").open() as handle:
@@ -264,7 +310,7 @@ def test_suites_and_gradient_accumulation_one_row_per_evaluation(tmp_path, bpe_t
     assert len(suite_lines) == 2
 
 
-def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bpe_tokenizer, small_data):
+def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bpe_tokenizer, small_data, caplog):
     callback = TatBLiMPLightningCallback(
         tokenizer=bpe_tokenizer,
         data=small_data,
@@ -273,5 +319,11 @@ def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bp
         eval_on_start=False,
         eval_on_end=False,
     )
-    fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path, 5, bpe_tokenizer)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=2)
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path, 5, bpe_tokenizer, checkpoint=checkpoint)
     assert [e["step"] for e in callback.history] == [2, 4]
+    # A monitor of a key that is not there before the first evaluation is told so; its schedule is aligned.
+    assert "with eval_on_start=False, tatblimp/acc_norm is there only from the first evaluation (step 2)" in caplog.text
+    assert "checks every" not in caplog.text
+    assert checkpoint.best_model_score.item() == max(e["tatblimp/acc_norm"] for e in callback.history)

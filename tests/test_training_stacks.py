@@ -14,6 +14,7 @@ import torch
 
 from conftest import CORPUS, tiny_llama
 from tatblimp_callback import Evaluator, TatBLiMPCallback, evaluate
+from tatblimp_callback.engine.model_checks import unwrap_model
 from trainer_utils import corpus_blocks
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
@@ -97,8 +98,11 @@ def test_lightning_fabric_with_the_evaluator(bpe_tokenizer, small_data):
     lightning = pytest.importorskip("lightning")
     fabric = lightning.Fabric(accelerator="cpu", devices=1)
     model = tiny_llama(len(bpe_tokenizer)).train()
+    bare_module = model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer = fabric.setup(model, optimizer)
+    assert type(model).__name__ == "_FabricModule" and unwrap_model(model) is bare_module
+    assert unwrap_model(torch.compile(model)) is bare_module
     loader = fabric.setup_dataloaders(
         torch.utils.data.DataLoader(torch.tensor([b["input_ids"] for b in corpus_blocks(bpe_tokenizer, lines=60)]), batch_size=4)
     )

@@ -19,8 +19,8 @@ from test_docs_snippets import snippets
 from trainer_utils import corpus_blocks
 
 PAGE = REPO / "docs" / "guides" / "where-you-train.md"
-STACKS = ["hf-trainer", "trl", "lightning", "fabric", "accelerate", "plain-loop", "callable"]
-NEEDS = {"trl": "trl", "lightning": "lightning", "fabric": "lightning"}
+STACKS = ["hf-trainer", "trl", "lightning", "lightning-best", "fabric", "accelerate", "plain-loop", "callable"]
+NEEDS = {"trl": "trl", "lightning": "lightning", "lightning-best": "lightning", "fabric": "lightning"}
 
 
 def test_the_page_has_one_example_per_stack():
@@ -70,6 +70,8 @@ def test_the_example_runs(name, workdir, bpe_tokenizer, capsys):
             rows = [row for row in csv.DictReader(handle) if row.get("tatblimp/acc_norm")]
         assert [int(row["step"]) for row in rows] == [0, 2, 4]
         assert [float(row["tatblimp/acc_norm"]) for row in rows] == [e["tatblimp/acc_norm"] for e in names["callback"].history]
+    if name == "lightning-best":
+        check_best_and_stop(workdir, names["callback"], names["best"], names["stop"], names["trainer"])
     if name == "trl":
         assert [e["step"] for e in names["callback"].history] == [0, 2, 4]  # and the snippet's own assert held
     if name in ("fabric", "accelerate", "plain-loop"):
@@ -82,3 +84,25 @@ def test_the_example_runs(name, workdir, bpe_tokenizer, capsys):
         method, acc_norm = out.strip().rsplit(" ", 1)
         assert method == "packed rows, full logits"
         assert 0 <= float(acc_norm) <= 1
+
+
+def check_best_and_stop(workdir, callback, best, stop, trainer) -> None:
+    """The checkpoint kept is the step that scored best in the history file; the run stopped where EarlyStopping's
+    rule, applied to the scores at each epoch end, says."""
+    import json
+    from pathlib import Path
+
+    lines = [
+        json.loads(line) for line in (workdir / "runs" / "lightning-best" / "tatblimp_history.jsonl").read_text().splitlines()
+    ]
+    assert [line["step"] for line in lines] == [e["step"] for e in callback.history] == list(range(0, trainer.global_step + 1, 2))
+    top = max(lines[1:], key=lambda line: line["acc_norm"])  # step 0 is before training: never a checkpoint
+    assert Path(best.best_model_path).name == f"epoch={top['step'] // 2 - 1}-step={top['step']}.ckpt"
+    assert best.best_model_score.item() == top["acc_norm"]
+    score, wait, stopped_at = float("-inf"), 0, 16  # max_epochs=8, two steps an epoch
+    for line in lines[1:]:
+        score, wait = (line["acc_norm"], 0) if line["acc_norm"] > score else (score, wait + 1)
+        if wait >= stop.patience:
+            stopped_at = line["step"]
+            break
+    assert trainer.global_step == stopped_at

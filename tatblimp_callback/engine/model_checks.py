@@ -30,10 +30,12 @@ class ScoringError(RuntimeError):
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face causal LM inside DDP, FSDP1, DeepSpeed, ``torch.compile`` and PEFT wrappers."""
+    """The Hugging Face causal LM inside DDP, FSDP1, DeepSpeed, ``torch.compile``, Lightning Fabric and PEFT wrappers."""
     while True:
         if hasattr(model, "_orig_mod"):  # torch.compile
             model = model._orig_mod
+        elif hasattr(model, "_forward_module") and hasattr(model, "_original_module"):  # Fabric's _FabricModule
+            model = model._original_module
         elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ in (
             "FullyShardedDataParallel",
             "DeepSpeedEngine",

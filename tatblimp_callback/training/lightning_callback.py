@@ -5,7 +5,9 @@
 It scores the transformers model inside the ``LightningModule`` at global step 0 (before the first
 optimizer step), every ``eval_every_n_steps`` and at the last step, and logs ``tatblimp/...`` (and each
 suite's keys) once per evaluation, at that global step, to every logger of the Trainer (CSV,
-TensorBoard, wandb, ...). The scoring itself, the history file, failures and resume are
+TensorBoard, wandb, ...) and to ``trainer.callback_metrics``, where ``ModelCheckpoint`` and
+``EarlyStopping`` read a monitored key (``monitor="tatblimp/acc_norm", mode="max"``; see
+``lightning_monitoring.py``). The scoring itself, the history file, failures and resume are
 ``in_loop.InLoopMonitor``'s, as in the Hugging Face callback. Needs ``lightning`` (``pip install
 tatblimp-callback[lightning]``); import it from ``tatblimp_callback.lightning``.
 """
@@ -26,6 +28,7 @@ from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from .in_loop import InLoopMonitor
+from .lightning_monitoring import expose, warn_about_monitors
 from .suite_schedule import check_suite_options
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,12 @@ class TatBLiMPLightningCallback(Callback):
     rank 0 logs. The model's train mode and every random generator are as they were after each evaluation.
     Its state (the points logged so far) is saved in Lightning checkpoints, so a run resumed with
     ``trainer.fit(..., ckpt_path=...)`` continues the same curve and history file.
+
+    Each evaluation's metrics are also put in ``trainer.callback_metrics`` (on every rank), before
+    ``ModelCheckpoint`` (which Lightning always runs after the other callbacks) and ``EarlyStopping`` (which
+    checks at the end of an epoch or a validation run) read them, so either can monitor ``tatblimp/acc_norm``
+    or any logged key, whatever the order of the callbacks. Between evaluations (and after a failed one) the
+    keys keep the last evaluation's values; a resumed run starts with its checkpoint's last values.
 
     Raises:
         ValueError: ``eval_every_n_steps`` is not a whole number of at least 1, or ``protocol`` is unknown
@@ -71,7 +80,8 @@ class TatBLiMPLightningCallback(Callback):
     """Score before the first step (global step 0), so every curve starts at the untrained baseline."""
 
     eval_on_end: bool = True
-    """Score at the end of training if the last step is not a multiple of ``eval_every_n_steps``."""
+    """Score the last step if it is not a multiple of ``eval_every_n_steps``: at the end of its batch when it is
+    ``max_steps`` or the last batch of the last epoch (before the epoch-end checks), else when training ends."""
 
     raise_on_error: bool = False
     """Re-raise a scoring error and stop training. By default it is logged with its traceback,
@@ -184,6 +194,9 @@ class TatBLiMPLightningCallback(Callback):
         self._entries = self._restored or []
         self._restored = None
         self._monitor.start_run(self._entries)
+        for entry in self._entries:  # a resumed run's monitored keys hold its last values from the start
+            expose(trainer, {k: v for k, v in entry.items() if k != "step"})
+        warn_about_monitors(trainer, self)
         self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
         if trainer.is_global_zero:
             self._monitor.open_history_files(trainer.default_root_dir)
@@ -197,7 +210,8 @@ class TatBLiMPLightningCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         # Several batches end at one global step under gradient accumulation: the first one decides.
-        if step != self._checked_step and step % self.eval_every_n_steps == 0:
+        # The last step is scored here rather than at on_train_end: before the epoch-end monitors read it.
+        if step != self._checked_step and (step % self.eval_every_n_steps == 0 or (self.eval_on_end and _ends_training(trainer))):
             self._score(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -245,7 +259,9 @@ class TatBLiMPLightningCallback(Callback):
             if trainer.is_global_zero:
                 self._log(trainer, step, metrics, results)
 
-        return self._monitor.score(model, trainer.global_step, publish)
+        metrics = self._monitor.score(model, trainer.global_step, publish)
+        expose(trainer, metrics)  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
+        return metrics
 
     def _log(self, trainer, step: int, metrics: dict[str, float], results: Results | None) -> None:
         """One evaluation, once, to every logger of the Trainer, the history file and the console."""
@@ -253,3 +269,12 @@ class TatBLiMPLightningCallback(Callback):
             self._monitor.guarded(each.log_metrics, dict(metrics), step)
         self._monitor.write_history(step, results)
         self._monitor.console(step, metrics, results)
+
+
+def _ends_training(trainer) -> bool:
+    """This batch's step is the run's last: ``max_steps`` reached, or the last batch of the last epoch."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    progress = getattr(trainer.fit_loop.epoch_loop, "batch_progress", None)  # what ModelCheckpoint reads too
+    last_epoch = trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.current_epoch + 1
+    return last_epoch and bool(getattr(progress, "is_last_batch", False))

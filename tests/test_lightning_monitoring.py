@@ -1,0 +1,125 @@
+"""Lightning's ``ModelCheckpoint`` and ``EarlyStopping`` monitoring ``tatblimp/acc_norm`` in real ``lightning.Trainer``
+runs on the CPU: the checkpoint kept is the step that scored best, the run stops where EarlyStopping's rule says,
+and a check at a step that was not scored reads the last evaluation's value instead of raising.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+import lightning as L
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from tatblimp_callback.lightning import TatBLiMPLightningCallback
+from tatblimp_callback.reading.jsonl import read_complete_lines
+from test_lightning import Probe, Wrapped, fit, fresh_metrics
+
+
+class Perturbed(L.Callback):
+    """Moves the weights by seeded noise after each optimizer step up to ``until``: scores that go up and down."""
+
+    def __init__(self, until: int = 10**9, scale: float = 0.05):
+        self.until, self.scale = until, scale
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step <= self.until:
+            generator = torch.Generator().manual_seed(trainer.global_step)
+            with torch.no_grad():
+                for parameter in pl_module.parameters():
+                    parameter.add_(torch.randn(parameter.shape, generator=generator) * self.scale)
+
+
+def history_lines(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in read_complete_lines(path)]
+
+
+def test_model_checkpoint_keeps_the_best_scored_step_whatever_the_callback_order(tmp_path, bpe_tokenizer, small_data):
+    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=1, save_top_k=1, filename="{step}"
+    )
+    # ModelCheckpoint listed first: Lightning runs checkpoints after the other callbacks, so after the scoring.
+    fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, 6, bpe_tokenizer, callbacks=[checkpoint, Perturbed(), callback])
+    lines = history_lines(tmp_path / "tatblimp_history.jsonl")
+    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]
+    best = max(lines[1:], key=lambda line: line["acc_norm"])  # step 0 comes before training: never a checkpoint
+    assert best["step"] != lines[-1]["step"]  # the best is not merely the last
+    assert Path(checkpoint.best_model_path).name == f"step={best['step']}.ckpt"
+    assert checkpoint.best_model_score.item() == best["acc_norm"]
+    # The best checkpoint holds the very weights that scored best.
+    state = torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"]
+    weights = {name.removeprefix("model."): value for name, value in state.items()}
+    assert fresh_metrics(weights, bpe_tokenizer, small_data)["tatblimp/acc_norm"] == best["acc_norm"]
+
+
+@pytest.mark.parametrize("checked_at", ["epoch end", "validation end"])
+def test_early_stopping_stops_when_acc_norm_stops_improving(tmp_path, bpe_tokenizer, small_data, checked_at, caplog):
+    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
+    # strict (the default): a missing key raises
+    stopping = EarlyStopping(
+        monitor="tatblimp/acc_norm", mode="max", patience=2, check_on_train_epoch_end=checked_at == "epoch end"
+    )
+    if checked_at == "epoch end":  # two batches an epoch, up to 20 epochs
+        options, most = dict(rows=8, max_epochs=20), 40
+    else:  # one epoch of 15 batches, a validation run every 2
+        options, most = dict(max_epochs=1, val=True, val_check_interval=2, num_sanity_val_steps=0), 15
+    # The weights change up to step 4, then stay.
+    callbacks = [stopping, Perturbed(until=4, scale=0.1), callback]
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        trainer = fit(Wrapped(len(bpe_tokenizer), lr=0.0), None, tmp_path, -1, bpe_tokenizer, callbacks=callbacks, **options)
+    assert "tatblimp:" not in caplog.text  # scored at every check: nothing to warn about
+    checked = [(e["step"], e["tatblimp/acc_norm"]) for e in callback.history if e["step"] > 0]
+    best, wait, stop = float("-inf"), 0, None
+    for step, value in checked:  # EarlyStopping's rule over the scores it saw
+        best, wait = (value, 0) if value > best else (best, wait + 1)
+        if wait >= stopping.patience:
+            stop = step
+            break
+    assert stop is not None and stop < most
+    assert trainer.global_step == stop
+    assert stopping.best_score.item() == best == max(v for _, v in checked)
+    assert [e["step"] for e in callback.history] == list(range(0, stop + 1, 2))
+
+
+def test_between_evaluations_the_monitored_keys_keep_the_last_value(tmp_path, bpe_tokenizer, small_data, caplog):
+    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=1)
+    probe = Probe()
+    # A validation run every 2 batches: ModelCheckpoint then raises on a monitored key that is missing.
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        fit(
+            Wrapped(len(bpe_tokenizer)),
+            None,
+            tmp_path,
+            5,
+            bpe_tokenizer,
+            callbacks=[callback, probe, checkpoint],
+            val=True,
+            val_check_interval=2,
+            num_sanity_val_steps=0,
+        )
+    values = {e["step"]: e["tatblimp/acc_norm"] for e in callback.history}
+    assert sorted(values) == [0, 2, 4, 5]
+    assert probe.seen == {1: values[0], 2: values[2], 3: values[2], 4: values[4], 5: values[5]}
+    assert "checks every 1 steps, TatBLiMP is scored every 2" in caplog.text
+    assert checkpoint.best_model_score.item() == max(probe.seen.values())
+
+
+def test_the_last_step_of_an_epoch_run_is_scored_before_the_epoch_end_checkpoint(tmp_path, bpe_tokenizer, small_data, caplog):
+    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=3)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="tatblimp/acc_norm", mode="max", save_top_k=-1)
+    # Two epochs of two steps: scored at 0, 3 and the last, 4, which the checkpoint at the end of epoch 1 reads.
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        callbacks = [Perturbed(), callback, checkpoint]
+        fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, -1, bpe_tokenizer, callbacks=callbacks, rows=8, max_epochs=2)
+    assert "ModelCheckpoint(monitor='tatblimp/acc_norm') checks every 2 steps, TatBLiMP is scored every 3" in caplog.text
+    values = {e["step"]: e["tatblimp/acc_norm"] for e in callback.history}
+    assert sorted(values) == [0, 3, 4] and values[4] != values[3]
+    scores = {Path(path).name: score.item() for path, score in checkpoint.best_k_models.items()}
+    assert scores == {"epoch=0-step=2.ckpt": values[0], "epoch=1-step=4.ckpt": values[4]}
