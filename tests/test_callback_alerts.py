@@ -164,6 +164,6 @@ def test_a_resumed_run_compares_with_the_evaluations_before_its_checkpoint(bpe_t
     resumed = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2)
     trainer = make_trainer(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path / "run", [resumed], **options)
     trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
-    assert [step for step, _ in resumed._alerts.evaluations] == [0, 2, 4, 6]
+    assert [step for step, _ in resumed._monitor.alerts.evaluations] == [0, 2, 4, 6]
     assert {t.from_step for t in resumed.learning.trends.values()} == {0}
     assert resumed.learning.trends == whole.learning.trends and resumed.learning.fits == whole.learning.fits

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..reading.identity import record_fingerprint
 from .curves import DEFAULT_THRESHOLD
-from .learning import LearningOrder, LearningSummary, evaluations_from_records, learning_order, learning_summary
 from .runs import CompareError, Run
 from .stats import PairedTest, format_interval, paired_tests
+
+if TYPE_CHECKING:  # learning.py brings numpy and scipy: imported when a comparison first needs it, not by --help
+    from .learning import LearningOrder, LearningSummary
 
 __all__ = ["Comparison", "compare_runs", "comparison_rows", "paired_header", "paired_rows"]
 
@@ -171,6 +173,8 @@ def paired_rows(tests: list[PairedTest], metric: str) -> list[list[str]]:
 
 def sweep_learning(runs: Sequence[Run]) -> dict[str, LearningSummary | None]:
     """Each sweep's fitted acquisitions and trends, by label; None for a sweep without per-pair outcomes."""
+    from .learning import evaluations_from_records, learning_summary
+
     found: dict[str, LearningSummary | None] = {}
     for run in runs:
         if run.is_sweep:
@@ -185,6 +189,8 @@ def sweep_learning(runs: Sequence[Run]) -> dict[str, LearningSummary | None]:
 
 def orders_against(baseline: str, learning: dict[str, LearningSummary | None]) -> dict[str, LearningOrder]:
     """Kendall's tau of each other sweep's order of acquisition against the baseline's, by the other's label."""
+    from .learning import learning_order
+
     base = learning.get(baseline)
     if base is None:
         return {}
