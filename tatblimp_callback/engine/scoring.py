@@ -19,6 +19,7 @@ non-finite sequences and one distributed lockstep serve both protocols.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ from .memory_budget import (
     release_freed_memory,
     retry_out_of_memory,
 )
+from .method_check import MethodCheck
 from .model_checks import (
     ScoringError,
     check_causal_lm,
@@ -40,19 +42,9 @@ from .model_checks import (
     forward_reads_position_ids,
     tree_mask_dtype,
     unwrap_model,
-    weight_fingerprint,
 )
 from .packing import Batch, Layout, TokenSequences, build_layout
-from .scoring_method import (
-    RecheckSchedule,
-    ScoringMethod,
-    agree,
-    first_matching_method,
-    layouts_to_try,
-    reference_readout,
-    relative_tolerance,
-    sample_sequences,
-)
+from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .tiled_head import head_tile, plain_head_weight
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
@@ -130,15 +122,21 @@ class Scorer:
         self.memory_budget = memory_budget or default_memory_budget(self.cache.device, full_logits)
         if isinstance(method, str):
             method = ScoringMethod(method, "tiled" if self._head_weight() is not None else "full_logits")
-        self.method = method
-        self._method_given = method is not None  # by the caller: used as it is
-        self._method_checked = False
-        self._recheck = RecheckSchedule()
-        self._reads_positions: dict[str, bool] = {}  # layout -> whether the forward reads its position ids
+        sample = sample_sequences(self.cache.lengths, SAMPLE_PAIRS)
+        self.check = MethodCheck(
+            self.lm,
+            method,
+            sample=sample,
+            heads=self._heads,
+            reference=lambda sequences: reference_readout(self._forward, self.cache, sequences),
+            readout=lambda method, sequences: self.cells.reduce(self._score_cells(method, sequences))[sequences],
+            reads_positions=self._forward_reads_positions,
+            tokens=torch.tensor([self.cache.lengths[s] - 1 for s in sample]),
+            rtol=lambda: relative_tolerance(self._dtype(), self.cache.device),
+        )
         self._layouts: dict[tuple, Layout] = {}
         self._sequences: TokenSequences | None = None  # the cache's token ids on the host
         self.oom_retries = 0
-        self.method_replacements = 0  # methods that failed a later check and were replaced
         self._built_dtype = self._dtype()
         self.keep_token_logprobs = keep_token_logprobs
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
@@ -146,6 +144,23 @@ class Scorer:
         self._token_cells: torch.Tensor | None = None
         self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
         self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
+        # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
+        # check's samples included) and the method check's forwards; 0 where they were reused.
+        self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
+
+    @property
+    def method(self) -> ScoringMethod | None:
+        """The scoring method in use (None before the first evaluation chose it)."""
+        return self.check.method
+
+    @method.setter
+    def method(self, method: ScoringMethod) -> None:
+        self.check.method = method
+
+    @property
+    def method_replacements(self) -> int:
+        """Methods that failed a later check and were replaced."""
+        return self.check.replacements
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -181,17 +196,28 @@ class Scorer:
         self.model.eval()
         try:
             with distributed.shared_failures():
-                return retry_out_of_memory(self, lambda: self._attempt(sequences))
+                return retry_out_of_memory(
+                    lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
+                )
         finally:
             self.model.train(was_training)
             release_freed_memory(self.cache.device)
+
+    def _set_budget(self, budget: int, retrying: bool) -> None:
+        if budget != self.memory_budget:
+            self._layouts.clear()  # plans made for another budget
+        self.memory_budget = budget
+        self.oom_retries += retrying
 
     def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
         if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
             # An adapter or hook put on the head since the method was chosen: what it computes is not its weight.
             logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
             self.method = ScoringMethod(self.method.layout, "full_logits")
-        self._check_method_when_due()  # its sample is laid out within the budget too
+        self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
+        start = time.perf_counter()
+        self.check.when_due()  # its sample is laid out within the budget too
+        self.setup_seconds["method_check"] = time.perf_counter() - start - self.setup_seconds["plan"]
         self._token_cells = None  # freed before this evaluation's own cells are made
         cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
         if self.keep_token_logprobs and not self.cache.answer_ids:
@@ -254,6 +280,7 @@ class Scorer:
         if self._sequences is None:
             self._sequences = TokenSequences(self.cache.token_ids, self.cache.offsets)
         self.layouts_built += 1
+        start = time.perf_counter()
         layout = build_layout(
             self._sequences,
             method.layout,
@@ -266,6 +293,7 @@ class Scorer:
             tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
             plan_budget=self.memory_budget // PLAN_SHARE if keep or sequences is None else 0,
         )
+        self.setup_seconds["plan"] += time.perf_counter() - start
         if keep or sequences is None:
             self._layouts[key] = layout
         return layout
@@ -321,84 +349,11 @@ class Scorer:
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return model_output(self._forward, self.lm, batch, head, position_ids)
 
-    # -- choosing and re-checking the method ----------------------------------------------------
-
-    def _check_method_when_due(self) -> None:
-        """Choose the method at the first evaluation; check it again when the schedule says so (every process alike)."""
-        if self._method_given:
-            return
-        if self.method is None or not self._method_checked:
-            self.method = self._choose_method()
-            return
-        fingerprint = weight_fingerprint(self.lm)
-        if distributed.all_agree(not self._recheck.due(fingerprint)):
-            return
-        sample = self._sample()
-        reference = self._reference_readout(sample)
-        if not torch.isfinite(reference).any():
-            return  # diverged: nothing to compare with until it recovers
-        if not distributed.all_agree(self._matches(self.method, sample, reference)):
-            logger.warning("tatblimp: %s no longer matches a plain forward of this model; choosing the method again", self.method)
-            self.method_replacements += 1
-        elif not distributed.all_agree(all(self._reads_positions.values())):
-            # Faster layouts were ruled out because the outputs ignored position ids; weights that
-            # made attention blind to positions (say, zero query weights) may have trained since.
-            self._reads_positions.clear()
-        else:
-            self._recheck.checked(fingerprint)
-            return
-        self.method = self._choose_method(sample, reference)
-
-    def _choose_method(self, sample: list[int] | None = None, reference: torch.Tensor | None = None) -> ScoringMethod:
-        """The fastest method whose readout matches a plain forward on a sample of sequences."""
-        if sample is None:
-            sample = self._sample()
-            reference = self._reference_readout(sample)
-        heads = self._heads()
-        if not torch.isfinite(reference).any():
-            # A diverged model leaves nothing to compare: use the fastest method for now and check
-            # again at the next evaluation, rather than keep a choice that was never tested.
-            logger.warning("tatblimp: the model's log-probs are not finite; scoring method unchecked until they are")
-            self._method_checked = False
-            return ScoringMethod(layouts_to_try(self.lm)[0], heads[0])
-
-        def matches(method: ScoringMethod) -> bool:
-            return self._forward_reads_positions(method, sample) and self._matches(method, sample, reference)
-
-        method = first_matching_method(self.lm, heads, matches, consensus=distributed.all_agree)
-        if method is None:
-            raise ScoringError("no scoring method matches a plain forward of this model; its logits may be non-deterministic")
-        self._method_checked = True
-        self._recheck.checked(weight_fingerprint(self.lm))
-        return method
-
-    def _matches(self, method: ScoringMethod, sample: list[int], reference: torch.Tensor) -> bool:
-        values = self.cells.reduce(self._score_cells(method, sample))[sample]
-        if self.cache.answer_ids:
-            tokens = torch.ones_like(reference)
-        else:
-            tokens = torch.tensor([self.cache.lengths[s] - 1 for s in sample], dtype=reference.dtype, device=reference.device)
-        return agree(values.to(reference.dtype), reference, tokens, relative_tolerance(self._dtype(), self.cache.device))
-
     def _forward_reads_positions(self, method: ScoringMethod, sample: list[int]) -> bool:
-        """Whether the model's forward reads the position ids that tree and packed rows depend on (padded rows do not)."""
-        if method.layout == "padded":
-            return True
-        if method.layout not in self._reads_positions:
-            batch = self._layout(method, sample).batches[0]
-            reads = forward_reads_position_ids(
-                lambda ids: self._model_output(batch, method.head, ids), batch.position_ids, self.context
-            )
-            if not reads:
-                logger.warning("tatblimp: this model's forward ignores position_ids, so %s rows cannot be used", method.layout)
-            self._reads_positions[method.layout] = reads
-        return self._reads_positions[method.layout]
-
-    def _reference_readout(self, sequences: list[int]) -> torch.Tensor:
-        return reference_readout(self._forward, self.cache, sequences)
-
-    def _sample(self) -> list[int]:
-        return sample_sequences(self.cache.lengths, SAMPLE_PAIRS)
+        batch = self._layout(method, sample).batches[0]
+        return forward_reads_position_ids(
+            lambda ids: self._model_output(batch, method.head, ids), batch.position_ids, self.context
+        )
 
     # -- model facts ----------------------------------------------------------------------------
 
