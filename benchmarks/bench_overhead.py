@@ -194,8 +194,8 @@ def mask_options(model, cache, repeats: int) -> dict:
         batches = list(layout.batches)
         if additive:
             for index, batch in enumerate(batches):
-                ends = layout.batches.prepared[index]["ends"].long().view(batch.input_ids.shape)
-                batch.attention_mask = interval_mask(ends, torch.float32)
+                sizes = layout.batches.prepared[index]["sizes"].view(batch.input_ids.shape)
+                batch.attention_mask = interval_mask(sizes, torch.float32)
 
         def body(batches=batches):
             for b in batches:
@@ -220,16 +220,16 @@ def flex_against_sdpa(cache, model, repeats: int, dtype: torch.dtype = torch.flo
 
     scorer = Scorer(model, cache, method=ScoringMethod("tree", "tiled"))
     layout = scorer.layout()
-    ends = layout.batches.prepared[0]["ends"].long().view(-1, scorer.row_length)
-    rows, width = ends.shape
+    sizes = layout.batches.prepared[0]["sizes"].long().view(-1, scorer.row_length)
+    rows, width = sizes.shape
     heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
-    device = ends.device
+    device = sizes.device
     q, k, v = (torch.randn(rows, heads, width, dim, device=device, dtype=dtype) for _ in range(3))
-    dense = interval_mask(ends)
+    dense = interval_mask(sizes)
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # noqa: E731
     compiled = torch.compile(flex_attention)
     start = time.perf_counter()
-    block_mask = create_block_mask(flex_mask_mod(ends), rows, None, width, width, device=device)
+    block_mask = create_block_mask(flex_mask_mod(sizes), rows, None, width, width, device=device)
     flex = lambda: compiled(q, k, v, block_mask=block_mask)  # noqa: E731
     flex()
     compile_seconds = time.perf_counter() - start

@@ -84,13 +84,13 @@ def test_the_flex_mask_mod_and_the_additive_mask_are_the_same_test():
     rng = random.Random(3)
     layout = build_layout(random_sentences(rng, 40, 6), "tree", 24, 4096, pad_id=BOS, plan_budget=2**20)
     batch = layout.batches[0]
-    ends = layout.batches.prepared[0]["ends"].long().view(batch.input_ids.shape)
+    sizes = layout.batches.prepared[0]["sizes"].long().view(batch.input_ids.shape)
     dense = batch.attention_mask[:, 0]
-    rows, width = ends.shape
-    mask_mod = flex_mask_mod(ends)
+    rows, width = sizes.shape
+    mask_mod = flex_mask_mod(sizes)
     b, q, kv = torch.arange(rows)[:, None, None], torch.arange(width)[None, :, None], torch.arange(width)[None, None, :]
     assert torch.equal(mask_mod(b, 0, q, kv), dense)
-    additive = interval_mask(ends, torch.float32)[:, 0]
+    additive = interval_mask(sizes, torch.float32)[:, 0]
     assert torch.equal(additive == 0, dense) and additive.min() == torch.finfo(torch.float32).min
 
 
@@ -132,7 +132,7 @@ def test_the_plan_is_made_once_and_reused_by_every_evaluation(sentences_cache, m
     layout = scorer.layout()
     assert len(layout.batches) >= 3 and len(built) == len(layout.batches) and scorer.layouts_built == 1
     assert scorer.setup_seconds["plan"] > 0
-    # What the plan holds: int32 ids, int16 positions and subtree ends a position; int32 indices a scored token.
+    # What the plan holds: int32 ids, int16 positions and subtree sizes a position; int32 indices a scored token.
     positions, scored = layout.total_positions, layout.scored_tokens
     assert layout.plan_bytes == 8 * positions + 4 * (positions - layout.padded_positions) + 14 * scored
     built.clear()
@@ -194,7 +194,7 @@ def test_the_plan_is_compact_and_on_the_cache_device(sentences_cache):
     assert dtypes == {
         "input_ids": torch.int32,
         "position_ids": torch.int16,
-        "ends": torch.int16,
+        "sizes": torch.int16,
         "score_positions": torch.int32,
         "score_contexts": torch.int32,
         "score_targets": torch.int32,

@@ -28,6 +28,13 @@ class Cells:
         self.starts = (widths.cumsum(0) - widths).to(cache.device)  # each sequence's first cell
         self.total = int(widths.sum())
         self.device = cache.device
+        # For the reduction: the sentences longest first, so that those still adding a cell at slot k are
+        # the first ``alive[k]`` of them (a slice, not a mask).
+        order = torch.sort(widths, descending=True, stable=True).indices
+        self._order = order.to(cache.device)
+        self._order_starts = self.starts[self._order]
+        counts = torch.bincount(widths, minlength=1)  # sentences of each width
+        self._alive = counts.flip(0).cumsum(0).flip(0)[1:].tolist()  # alive[k]: sentences with more than k cells
 
     def empty(self) -> torch.Tensor:
         """Zeros, one a cell: float64 (float32 on MPS, which has no float64)."""
@@ -46,11 +53,11 @@ class Cells:
         """Sentences: the sum of each one's cells, left to right; prompts: the answers' log-probs, [prompts, answers]."""
         if self.answers:
             return cells.view(-1, self.answers)
-        total = torch.zeros(len(self.starts), dtype=cells.dtype, device=cells.device)
-        for slot in range(max(self.lengths, default=1) - 1):
-            # A sentence that has ended adds 0, which changes no sum (and no device sync is needed to skip it).
-            values = cells[(self.starts + slot).clamp(max=max(len(cells) - 1, 0))]
-            total += torch.where(self.widths > slot, values, torch.zeros_like(values))
+        by_width = torch.zeros(len(self.starts), dtype=cells.dtype, device=cells.device)
+        for slot, alive in enumerate(self._alive):
+            by_width[:alive] += cells[self._order_starts[:alive] + slot]  # slot k of every sentence that has one
+        total = torch.empty_like(by_width)
+        total[self._order] = by_width
         return total
 
     def per_sentence(self, cells: torch.Tensor) -> list[list[float]]:

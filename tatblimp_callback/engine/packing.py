@@ -89,7 +89,7 @@ class Batches(Sequence):
     """A layout's batches: prepared once as compact tensors on the device (the plan), or built when read.
 
     With ``prepared`` (the plan fits its share of the memory budget) reading a batch only widens its
-    integer tensors and broadcasts the tree mask from the subtree ends; otherwise each batch's arrays
+    integer tensors and broadcasts the tree mask from the subtree sizes; otherwise each batch's arrays
     are computed (with numpy, from the rows) when it is read, and freed before the next.
     """
 
@@ -167,9 +167,9 @@ class Layout:
 
 
 LAYOUTS = ("tree", "packed", "padded")
-# Bytes a prepared plan holds: per position its token id (4), position id and subtree end (2 each
+# Bytes a prepared plan holds: per position its token id (4), position id and subtree size (2 each
 # when a row is under 32K positions); per read position its index (4); per scored token its context,
-# target and sequence (4 each) and slot (2). The estimate, with 4-byte positions and ends, is an upper bound.
+# target and sequence (4 each) and slot (2). The estimate, with 4-byte positions and sizes, is an upper bound.
 PLAN_BYTES_PER_POSITION = 12
 PLAN_BYTES_PER_SCORED = 18
 
@@ -293,10 +293,10 @@ def batch_arrays(
         shares_less = np.where(c[:, None] <= depth, index[:, None], m)  # sequences that leave a subtree at that depth
         following = np.minimum.accumulate(shares_less[::-1], axis=0)[::-1]
         following = np.vstack([following[1:], np.full((1, len(depth)), m)])
-        subtree_end = np.append(base, new.sum())[following[node_seq, node_depth]] - row_base[node_row]
-        ends = np.tile(np.arange(1, width + 1, dtype=small), end - first)  # padding: its own column only
-        ends[flat] = subtree_end
-        arrays["ends"] = ends
+        subtree_end = np.append(base, new.sum())[following[node_seq, node_depth]]
+        sizes = np.ones((end - first) * width, dtype=small)  # padding: a subtree of its own column only
+        sizes[flat] = subtree_end - np.arange(len(node_seq))
+        arrays["sizes"] = sizes
     else:
         arrays["used"] = used.astype(np.int32)
     if answer_ids:  # a prompt's last input is read, once per answer
@@ -323,7 +323,7 @@ def _to_tensors(arrays: dict[str, np.ndarray], device) -> dict[str, torch.Tensor
 def _batch(arrays: dict[str, torch.Tensor], rows: int, width: int, kind: str, tree_mask_dtype: torch.dtype) -> Batch:
     """The model's inputs from a batch's compact tensors: ids widened to int64, the mask broadcast."""
     if kind == "tree":
-        attention_mask = interval_mask(arrays["ends"].view(rows, width), tree_mask_dtype)
+        attention_mask = interval_mask(arrays["sizes"].view(rows, width), tree_mask_dtype)
     elif kind == "padded":
         columns = torch.arange(width, device=arrays["used"].device)
         attention_mask = (columns[None, :] < arrays["used"][:, None]).long()

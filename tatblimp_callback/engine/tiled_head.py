@@ -96,8 +96,18 @@ def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:
         logits = F.linear(hidden, weight[part], None if bias is None else bias[part]).float()
         if cap:  # in place: ``logits`` is a fresh tensor
             logits.div_(cap).tanh_().mul_(cap)
-        parts.append(torch.logsumexp(logits, -1))
+        parts.append(_fresh_log_sum_exp(logits))
     return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts, -1), -1)
+
+
+def _fresh_log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(logits, -1)``, computed in place in ``logits`` (a fresh tensor): on a CPU, torch's own
+    takes several times as long as one max, one exp and one sum over the tile (measured: 2,048 x 100 logits,
+    17 ms against 0.1 ms; 2,048 x 2,048, 80 against 50 ms on a busy machine). A row whose maximum is not
+    finite is shifted by 0, so that an infinite logit gives inf and a row of -inf gives -inf, as torch's does."""
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
 
 
 def _target_logits(hidden, weight, bias, cap, targets: torch.Tensor) -> torch.Tensor:
