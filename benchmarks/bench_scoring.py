@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--suites", action="store_true", help="TatBLiMP + 16,000 / all BLiMP pairs in one pass (bench_suites.py)")
     parser.add_argument("--lm-eval-workload", help="--suites: the workloads lm-eval scores, by commas (default: the last)")
     parser.add_argument("--skip-in-use", action="store_true", help="--suites: no child process for the memory in use")
+    parser.add_argument("--rounds", type=int, default=1, help="--suites: ours and lm-eval timed alternately, the best of each")
     parser.add_argument("--suite-pairs", help="--suites: BLiMP pairs added to TatBLiMP, per workload (default: 0,16000,all)")
     parser.add_argument("--layout-memory", action="store_true", help="--suites: the layouts' tensor bytes only, no scoring")
     parser.add_argument("--method", default="tree", help="--suites: the scoring method the Evaluator is given (default: tree)")

@@ -205,6 +205,14 @@ def run_suites(args, report: dict, log) -> dict:
         start = time.perf_counter()
         theirs, lm_peak, _ = peak_rss_during(lambda runner=runner, texts=texts: runner(texts))
         lm_seconds = time.perf_counter() - start
+        ours_seconds = report["workloads"][name]["seconds"]
+        # On a shared machine the load changes between the two timings: with --rounds R, ours and lm-eval
+        # are timed again alternately, R times each in all, and each keeps its best.
+        for _ in range(args.rounds - 1):
+            ours_seconds = min(ours_seconds, evaluator(model).run_info["seconds"])
+            start = time.perf_counter()
+            runner(texts)
+            lm_seconds = min(lm_seconds, time.perf_counter() - start)
         ours = torch.tensor([[p.good_logprob, p.bad_logprob] for r in parts for p in r.pairs], dtype=torch.float64)
         theirs = theirs.view(-1, 2)
         ours_pass, lm_pass = ours[:, 0] > ours[:, 1], theirs[:, 0] >= theirs[:, 1]  # argmax puts gold (index 0) first
@@ -220,8 +228,10 @@ def run_suites(args, report: dict, log) -> dict:
             "peak_extra_rss_bytes": lm_peak,
             "sentences_with_same_ids": same_ids,
             "max_abs_diff_vs_ours": float((theirs.flatten() - ours.flatten()).abs().max()),
-            "ours_speedup": lm_seconds / report["workloads"][name]["seconds"],
-            "ours_speedup_vs_scoring_only": runner.scoring_seconds / report["workloads"][name]["seconds"],
+            "rounds": args.rounds,
+            "ours_seconds": ours_seconds,
+            "ours_speedup": lm_seconds / ours_seconds,
+            "ours_speedup_vs_scoring_only": runner.scoring_seconds / ours_seconds,
             "pairs_deciding_differently": int(differ.sum()),
             "of_them_ties_in_ours": int((differ & ours_ties).sum()),
             "ties_in_ours": int(ours_ties.sum()),
