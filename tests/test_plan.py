@@ -206,3 +206,17 @@ def test_the_plan_is_compact_and_on_the_cache_device(sentences_cache):
         per_position
         <= packing.PLAN_BYTES_PER_POSITION + packing.PLAN_BYTES_PER_SCORED * layout.scored_tokens / layout.total_positions
     )
+
+
+def test_the_heads_in_place_log_sum_exp_equals_torchs_also_where_logits_are_not_finite():
+    from tatblimp_callback.engine.tiled_head import _fresh_log_sum_exp
+
+    logits = torch.randn(6, 50) * 30
+    logits[1, 7] = float("inf")  # a logit of inf: inf
+    logits[2] = float("-inf")  # a row of -inf: -inf
+    logits[3, 0] = float("nan")
+    expected = torch.logsumexp(logits, -1)
+    got = _fresh_log_sum_exp(logits.clone())
+    assert torch.equal(torch.isnan(got), torch.isnan(expected)) and got[1] == float("inf") and got[2] == float("-inf")
+    finite = torch.isfinite(expected)
+    assert torch.allclose(got[finite], expected[finite], rtol=1e-6, atol=0)
