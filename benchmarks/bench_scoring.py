@@ -153,6 +153,7 @@ def measure_scorer(scorer: Scorer, device: torch.device, repeats: int, full_logi
     """Its scores and a report: the first call (with the method check), the best of ``repeats`` calls,
     one call's peak extra memory, and the layout it used."""
     _, first_seconds, _ = timed(scorer.score, device)
+    first_setup = dict(scorer.setup_seconds)  # the plan's and the method check's share of the first call
     scores, seconds, times = timed(scorer.score, device, repeats)
     peak = peak_extra_memory(scorer.score, device)
     layout = scorer.layout()
@@ -160,6 +161,9 @@ def measure_scorer(scorer: Scorer, device: torch.device, repeats: int, full_logi
         "seconds": seconds,
         "times": times,
         "first_call_seconds": first_seconds,
+        "first_call_plan_seconds": first_setup["plan"],
+        "first_call_method_check_seconds": first_setup["method_check"],
+        "plan_bytes": layout.plan_bytes,
         "scoring_method": str(scorer.method),
         "padding_share": layout.padding_share,
         "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,
@@ -314,7 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--suites", action="store_true", help="TatBLiMP + 16,000 / all BLiMP pairs in one pass (bench_suites.py)")
-    parser.add_argument("--lm-eval-workload", help="--suites: the workload lm-eval scores (default: the last)")
+    parser.add_argument("--lm-eval-workload", help="--suites: the workloads lm-eval scores, by commas (default: the last)")
+    parser.add_argument("--skip-in-use", action="store_true", help="--suites: no child process for the memory in use")
+    parser.add_argument("--rounds", type=int, default=1, help="--suites: ours and lm-eval timed alternately, the best of each")
     parser.add_argument("--suite-pairs", help="--suites: BLiMP pairs added to TatBLiMP, per workload (default: 0,16000,all)")
     parser.add_argument("--layout-memory", action="store_true", help="--suites: the layouts' tensor bytes only, no scoring")
     parser.add_argument("--method", default="tree", help="--suites: the scoring method the Evaluator is given (default: tree)")

@@ -11,7 +11,13 @@ It measures, in one process:
    the same on packed rows, for what the prefix-tree rows gain or cost on this device;
 2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
    same sentences and model, its time, peak memory and per-sentence agreement with ours;
-3. the overhead on training: ``--steps`` plain training steps (AdamW, random tokens), then the
+3. the engine's own costs (issue #31): the first call's plan and method check (in ``ours``), the host
+   time of one evaluation (outside the model's forward and the head, device synchronised around them),
+   the model's body over tree rows with the boolean and the additive mask, rows of 128 and 512, and
+   packed rows without a mask (each one's log-probs against the default's), and the attention alone
+   with FlexAttention's block-sparse interval mask against SDPA's dense one (``--skip-masks`` skips
+   these);
+4. the overhead on training: ``--steps`` plain training steps (AdamW, random tokens), then the
    same number of steps with an evaluation every ``--steps // --evals`` steps; the time an
    evaluation adds, including any slowdown of the steps after it, over ``500 x step time`` is the
    overhead at one evaluation every 500 steps. It also reports whether scoring raised the
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-lm-eval", action="store_true")
     parser.add_argument("--vllm", action="store_true", help="4.: the same weights on backend='vllm', and lm-eval's vLLM model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="with --vllm: vLLM's share of the GPU")
+    parser.add_argument("--skip-masks", action="store_true", help="no host time, mask and FlexAttention comparisons")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -173,7 +180,20 @@ def main(argv: list[str] | None = None) -> dict:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    # 3. Training overhead.
+    # 3. The engine's own costs: host time, the tree mask's options, FlexAttention.
+    if not args.skip_masks:
+        from bench_overhead import flex_against_sdpa, host_seconds, mask_options
+
+        report["host"] = host_seconds(scorer, args.repeats)
+        report["masks"] = mask_options(model, cache, args.repeats)
+        save(report, args.json)
+        try:
+            report["flex"] = flex_against_sdpa(cache, model, args.repeats, dtype)
+        except Exception as error:  # a compile failure is a finding, not the end of the run
+            report["flex"] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        save(report, args.json)
+
+    # 4. Training overhead.
     model.train()
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
@@ -213,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup_vs_lm_eval_at_least_20": report.get("lm_eval", {}).get("ours_speedup", 0) >= TARGET_SPEEDUP,
         "overhead_at_most_1pct": max(report["training"]["overhead_at_1_per_500_steps"], 0) <= TARGET_OVERHEAD,
         "peak_at_most_eighth_of_full_logits": peak <= full_logits / 8,
+        "host_at_most_20ms": report.get("host", {}).get("host_seconds", 1.0) <= 0.02,
     }
     if folder is not None:
         del model, optimizer, scorer, packed, train_scorer

@@ -173,3 +173,39 @@ def test_an_evaluation_hands_the_memory_it_freed_back_to_the_system():
             break
     assert kept_without_release > 200
     assert kept_with_release < 32
+
+
+@pytest.mark.slow
+def test_the_plan_of_tatblimp_and_all_of_blimp_fits_the_cpu_budget(spm_tokenizer):
+    """The plan (every batch of all 67K BLiMP pairs and TatBLiMP, prepared) and the peak of making it, numpy's
+    arrays (tracemalloc) and torch's tensors (the profiler) together, stay within the 512 MiB CPU budget."""
+    import tracemalloc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from conftest import SHARED
+    from tatblimp_callback import ScoringMethod
+    from tatblimp_callback.engine.scoring import PLAN_SHARE
+    from tatblimp_callback.reading.suites import load_suite
+    from tatblimp_callback.tokenized.cache import concat_caches
+
+    cache = concat_caches(
+        [build_cache(spm_tokenizer, DATA), build_cache(spm_tokenizer, load_suite("blimp", SHARED / "blimp" / "data"))]
+    )
+    assert cache.num_sentences > 130_000
+    scorer = Scorer(tiny_llama(VOCAB, hidden=32, layers=2), cache, method=ScoringMethod("tree", "tiled"))
+    assert scorer.memory_budget == 512 * 2**20
+    tracemalloc.start()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            layout = scorer.layout()
+        numpy_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    peak = peak_allocation(prof) + numpy_peak
+    # Measured (2026-12-01): a plan of 56 MiB (34 bytes a position, its scored tokens included), made with a peak of 88 MiB.
+    assert 0 < layout.plan_bytes <= scorer.memory_budget // PLAN_SHARE, layout.plan_bytes
+    assert peak + layout.plan_bytes <= scorer.memory_budget, (peak, layout.plan_bytes)
+    print(
+        f"plan {layout.plan_bytes >> 20} MiB, {layout.plan_bytes / layout.total_positions:.1f} B/position, peak {peak >> 20} MiB"
+    )

@@ -143,8 +143,10 @@ def test_a_diverged_model_is_scored_and_the_method_checked_once_it_recovers(bpe_
     with torch.no_grad():
         model.lm_head.weight.fill_(float("inf"))  # every log-softmax is NaN
     checks = []
-    original = Scorer._choose_method
-    monkeypatch.setattr(Scorer, "_choose_method", lambda self, *args: checks.append(1) or original(self, *args))
+    from tatblimp_callback.engine.method_check import MethodCheck
+
+    original = MethodCheck.choose
+    monkeypatch.setattr(MethodCheck, "choose", lambda self, *args: checks.append(1) or original(self, *args))
     scorer = Scorer(model, cache)
     assert not torch.isfinite(scorer.score()).any()
     assert "scoring method unchecked" in caplog.text

@@ -62,8 +62,8 @@ def test_a_sentence_is_summed_from_its_cells_left_to_right(model, cache):
     # Float32 log-probs in float64 cells add up exactly in any order; full float64 cells show the order.
     scorer = Scorer(model, cache)
     cells = torch.randn(sum(cache.lengths) - cache.num_sentences, dtype=torch.float64)
-    sums = scorer._readout(cells).tolist()
-    starts = scorer._cell_layout()[1].tolist()
+    sums = scorer.cells.reduce(cells).tolist()
+    starts = scorer.cells.starts.tolist()
     rows = [cells[start : start + length - 1].tolist() for start, length in zip(starts, cache.lengths)]
     assert sums == [sum(row) for row in rows]
     assert starts[1] == cache.lengths[0] - 1 and sum(map(len, rows)) == len(cells)

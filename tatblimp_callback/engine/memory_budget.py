@@ -66,28 +66,30 @@ def positions_per_forward(memory_budget: int, config, dtype: torch.dtype, row_le
     return max(row_length, memory_budget // per_position)
 
 
-def retry_out_of_memory(scorer, attempt: Callable[[], T]) -> T:
+def retry_out_of_memory(
+    attempt: Callable[[], T], budget: int, device: torch.device, set_budget: Callable[[int, bool], None]
+) -> T:
     """``attempt()``, its memory budget halved and retried on out-of-memory down to ``MIN_MEMORY_BUDGET``.
 
-    ``scorer`` holds ``memory_budget``, ``oom_retries``, ``cache`` (for its device) and the
-    ``_layouts`` built for the old budget. Every process must build the same layout, so all use
-    the smallest budget, and all retry together (``distributed.retry_together``).
+    ``set_budget(budget, retrying)`` gives the caller the budget to use (a plan made for another
+    budget is stale), first the smallest over the processes (every process must lay its rows out
+    alike), then after each out-of-memory its half. All processes retry together (``distributed.retry_together``).
     """
-    scorer.memory_budget = distributed.min_over_processes(scorer.memory_budget)
+    budget = distributed.min_over_processes(budget)
+    set_budget(budget, False)
     while True:
         try:
             return attempt()
         except torch.OutOfMemoryError as error:
             distributed.retry_together(error)
-            if scorer.memory_budget // 2 < MIN_MEMORY_BUDGET:
+            if budget // 2 < MIN_MEMORY_BUDGET:
                 raise
         # Past the except block, the failed attempt's traceback and the tensors its frames
         # held are gone, so emptying the device cache below really frees them.
-        scorer.memory_budget //= 2
-        scorer.oom_retries += 1
-        scorer._layouts.clear()
-        empty_device_cache(scorer.cache.device)
-        logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", scorer.memory_budget >> 20)
+        budget //= 2
+        set_budget(budget, True)
+        empty_device_cache(device)
+        logger.warning("tatblimp: out of memory while scoring; retrying with %d MiB", budget >> 20)
 
 
 def empty_device_cache(device: torch.device) -> None:

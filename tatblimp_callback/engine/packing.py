@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .rows import RowOrder, packed_order, padded_order, tree_order
+from .tree_mask import interval_mask
+
 
 @dataclass
 class Batch:
@@ -51,39 +54,6 @@ class Batch:
     @property
     def num_positions(self) -> int:
         return self.input_ids.numel()
-
-
-class Batches(Sequence):
-    """A layout's batches, each built (and moved to the device) when it is read, and not kept.
-
-    Only the rows (sequence indices) are held, so the memory of a layout does not grow with the
-    masks and index tensors of every row: one forward call's batch exists at a time.
-    """
-
-    def __init__(self, groups: list[tuple[list[list[int]], int]], sequences, options: dict):
-        self.groups = groups  # (rows, width) of each batch
-        self.sequences = sequences
-        self.options = options  # pad_id, kind, answer_ids, tree_mask_dtype, device
-
-    def __len__(self) -> int:
-        return len(self.groups)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        rows, width = self.groups[index]
-        o = self.options
-        batch, _ = _make_batch(rows, width, self.sequences, o["pad_id"], o["kind"], o["answer_ids"], o["tree_mask_dtype"])
-        return _to_device(batch, o["device"])
-
-    def __iter__(self):
-        for index in range(len(self)):
-            yield self[index]  # not bound to a name here: the previous batch is freed before the next is built
-
-    @property
-    def positions(self) -> list[int]:
-        """Positions (rows x width) of each batch, without building it."""
-        return [len(rows) * width for rows, width in self.groups]
 
 
 class TokenSequences(Sequence):
@@ -115,6 +85,60 @@ class TokenSequences(Sequence):
         return np.diff(self.offsets)
 
 
+class Batches(Sequence):
+    """A layout's batches: prepared once as compact tensors on the device (the plan), or built when read.
+
+    With ``prepared`` (the plan fits its share of the memory budget) reading a batch only widens its
+    integer tensors and broadcasts the tree mask from the subtree sizes; otherwise each batch's arrays
+    are computed (with numpy, from the rows) when it is read, and freed before the next.
+    """
+
+    def __init__(self, rows: RowOrder, groups: list[tuple[int, int, int]], sequences: TokenSequences, options: dict):
+        self.rows = rows
+        self.groups = groups  # (first row, end row, width) of each batch
+        self.sequences = sequences
+        self.options = options  # pad_id, kind, answer_ids, tree_mask_dtype, device
+        self.prepared: list[dict[str, torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        first, end, width = self.groups[index]
+        o = self.options
+        if self.prepared is not None:
+            arrays = self.prepared[index]
+        else:
+            arrays = _to_tensors(self.arrays(index), o["device"])
+        return _batch(arrays, end - first, width, o["kind"], o["tree_mask_dtype"])
+
+    def __iter__(self):
+        for index in range(len(self)):
+            yield self[index]  # not bound to a name here: the previous batch is freed before the next is built
+
+    def arrays(self, index: int) -> dict[str, np.ndarray]:
+        """The compact arrays of batch ``index``, computed from the rows."""
+        first, end, width = self.groups[index]
+        o = self.options
+        return batch_arrays(self.sequences, self.rows, first, end, width, o["pad_id"], o["answer_ids"], o["kind"] == "tree")
+
+    def prepare(self) -> None:
+        """Compute every batch's arrays now and keep them on the device: the plan every evaluation reuses."""
+        self.prepared = [_to_tensors(self.arrays(i), self.options["device"]) for i in range(len(self))]
+
+    @property
+    def plan_bytes(self) -> int:
+        """Bytes the prepared plan holds (0 when the batches are built when read)."""
+        return sum(t.numel() * t.element_size() for arrays in self.prepared or [] for t in arrays.values())
+
+    @property
+    def positions(self) -> list[int]:
+        """Positions (rows x width) of each batch, without building it."""
+        return [(end - first) * width for first, end, width in self.groups]
+
+
 @dataclass
 class Layout:
     """All batches of one evaluation, plus what it costs in padding and saves by sharing."""
@@ -124,6 +148,7 @@ class Layout:
     padded_positions: int
     total_positions: int
     sentence_positions: int  # positions the sequences would take one by one (their inputs)
+    scored_tokens: int = 0  # (context, target) pairs read: one per scored token, or per answer of a prompt
 
     @property
     def padding_share(self) -> float:
@@ -135,81 +160,44 @@ class Layout:
         used = self.total_positions - self.padded_positions
         return 1 - used / max(self.sentence_positions, 1)
 
+    @property
+    def plan_bytes(self) -> int:
+        """Bytes the prepared plan holds on the device (0 when the batches are built when read)."""
+        return self.batches.plan_bytes
+
 
 LAYOUTS = ("tree", "packed", "padded")
-COMPARED_AT_ONCE = 8192  # sorted sequences compared with their neighbours at a time when laying out trees
+# Bytes a prepared plan holds: per position its token id (4), position id and subtree size (2 each
+# when a row is under 32K positions); per read position its index (4); per scored token its context,
+# target and sequence (4 each) and slot (2). The estimate, with 4-byte positions and sizes, is an upper bound.
+PLAN_BYTES_PER_POSITION = 12
+PLAN_BYTES_PER_SCORED = 18
 
 
 def pack_rows(lengths: list[int], row_length: int) -> list[list[int]]:
     """First-fit decreasing: indices into ``lengths`` per row, each row's lengths summing to <= row_length."""
-    order = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for sentence in order:
-        need = lengths[sentence]
-        if need > row_length:
-            raise ValueError(f"sentence {sentence} has {need} tokens, more than a row of {row_length}")
-        row = next((r for r, room in enumerate(free) if room >= need), None)
-        if row is None:
-            rows.append([])
-            free.append(row_length)
-            row = len(rows) - 1
-        rows[row].append(sentence)
-        free[row] -= need
-    return rows
+    return packed_order(np.asarray(lengths, dtype=np.int64), row_length).rows()
 
 
 def tree_rows(sequences: Sequence[list[int]], row_length: int) -> list[list[int]]:
-    """Indices into ``sequences`` per row, in sorted order, each row's prefix tree at most ``row_length`` nodes.
-
-    In sorted order a sequence shares the most leading tokens with the one just before it, so the
-    tree grows by the tokens after that common prefix.
-    """
+    """Indices into ``sequences`` per row, in sorted order, each row's prefix tree at most ``row_length`` nodes."""
     sequences = TokenSequences.of(sequences)
     lengths = sequences.lengths()
-    return _tree_rows(_input_matrix(sequences, list(range(len(lengths))), lengths), lengths, row_length)[0]
-
-
-def _tree_rows(matrix: np.ndarray, lengths: np.ndarray, row_length: int) -> tuple[list[list[int]], int]:
-    """``tree_rows`` of the sequences padded with -1 into ``matrix`` [sequences x longest], and the nodes of all rows.
-
-    Sorted as lists sort (a shorter sequence before the longer ones it starts; -1 is below any token
-    id), equal sequences by index; the common prefixes of neighbours are computed for all at once.
-    """
-    too_long = np.flatnonzero(lengths > row_length)
-    if len(too_long):
-        raise ValueError(f"sentence {too_long[0]} has {lengths[too_long[0]]} tokens, more than a row of {row_length}")
-    order = np.lexsort((np.arange(len(lengths)), *matrix.T[::-1]))
-    common = np.zeros(len(order), dtype=np.int64)  # tokens each shares with the one before it
-    for start in range(1, len(order), COMPARED_AT_ONCE):  # in slices: no sorted copy of the whole matrix
-        current = matrix[order[start : start + COMPARED_AT_ONCE]]
-        previous = matrix[order[start - 1 : start - 1 + len(current)]]
-        same = (current == previous) & (current >= 0)
-        common[start : start + len(current)] = np.logical_and.accumulate(same, axis=1).sum(axis=1)
-    rows: list[list[int]] = []
-    size = nodes = 0
-    for index, length, shared in zip(order.tolist(), lengths[order].tolist(), common.tolist()):
-        new = length - shared
-        if not rows or size + new > row_length:
-            nodes += size
-            rows.append([])
-            size, new = 0, length
-        rows[-1].append(index)
-        size += new
-    return rows, nodes + size
+    return tree_order(_input_matrix(sequences, np.arange(len(lengths)), lengths), lengths, row_length).rows()
 
 
 def build_layout(
-    sequences: list[list[int]],
+    sequences: Sequence[list[int]],
     kind: str,
     row_length: int,
     tokens_per_batch: int,
     *,
     pad_id: int,
     device: torch.device | str = "cpu",
-    chosen: list[int] | None = None,
+    chosen: Sequence[int] | None = None,
     answer_ids: tuple[int, ...] = (),
     tree_mask_dtype: torch.dtype = torch.bool,
+    plan_budget: int = 0,
 ) -> Layout:
     """Rows of the given kind, grouped into batches of at most ``tokens_per_batch`` positions.
 
@@ -218,136 +206,145 @@ def build_layout(
     each answer token (one position read per sequence). ``chosen`` limits the layout to those
     sequence indices (all by default). ``tree_mask_dtype``: the tree layout's mask is boolean (True:
     attend), or additive in this floating dtype (0 or its most negative value), as the model's
-    attention wants it.
+    attention wants it. ``plan_budget``: bytes the prepared batches may hold on ``device``; a plan
+    estimated within it is computed now and kept (``Layout.plan_bytes``), otherwise each batch is
+    built when it is read.
     """
     sequences = TokenSequences.of(sequences)
-    chosen = list(range(len(sequences)) if chosen is None else chosen)
-    chosen_inputs = sequences.lengths()[chosen] - (0 if answer_ids else 1)
-    inputs = dict(zip(chosen, chosen_inputs.tolist()))
-    row_length = max(row_length, max(inputs.values()))
+    chosen = np.arange(len(sequences)) if chosen is None else np.asarray(list(chosen), dtype=np.int64)
+    inputs = sequences.lengths()[chosen] - (0 if answer_ids else 1)
+    row_length = max(row_length, int(inputs.max(initial=0)))
     if kind == "tree":
-        tree, used = _tree_rows(_input_matrix(sequences, chosen, chosen_inputs), chosen_inputs, row_length)
-        rows = [[chosen[i] for i in row] for row in tree]
-        widths = [row_length] * len(rows)
+        rows = tree_order(_input_matrix(sequences, chosen, inputs), inputs, row_length)
     elif kind == "packed":
-        rows = [[chosen[i] for i in row] for row in pack_rows([inputs[s] for s in chosen], row_length)]
-        widths = [row_length] * len(rows)
+        rows = packed_order(inputs, row_length)
     elif kind == "padded":
-        rows = [[s] for s in sorted(chosen, key=lambda s: (-inputs[s], s))]
-        widths = [inputs[row[0]] for row in rows]
+        rows = padded_order(inputs)
     else:
         raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
+    rows.order = chosen[rows.order]
+    nodes = rows.row_nodes()
+    widths = nodes if kind == "padded" else np.full(rows.num_rows, row_length)
 
     groups, total = [], 0
     start = 0
-    while start < len(rows):
+    while start < rows.num_rows:  # a loop over batches
         # Rows are sorted longest first (or all as wide), so the first row of a batch sets its width;
         # a batch ends where the budget does, or where rows get a quarter narrower (less padding).
-        width = widths[start]
-        end, limit = start + 1, min(len(rows), start + max(1, tokens_per_batch // width))
-        while end < limit and 4 * widths[end] >= 3 * width:
-            end += 1
-        groups.append((rows[start:end], width))
+        width = int(widths[start])
+        limit = min(rows.num_rows, start + max(1, tokens_per_batch // max(width, 1)))
+        narrower = np.flatnonzero(4 * widths[start + 1 : limit] < 3 * width)
+        end = start + 1 + (int(narrower[0]) if len(narrower) else limit - start - 1)
+        groups.append((start, end, width))
         total += (end - start) * width
         start = end
     options = dict(pad_id=pad_id, kind=kind, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device)
-    if kind != "tree":
-        used = sum(inputs.values())
-    return Layout(
+    scored = len(chosen) * len(answer_ids) if answer_ids else int(inputs.sum())
+    layout = Layout(
         kind=kind,
-        batches=Batches(groups, sequences, options),
-        padded_positions=total - used,
+        batches=Batches(rows, groups, sequences, options),
+        padded_positions=total - int(nodes.sum()),
         total_positions=total,
-        sentence_positions=sum(inputs.values()),
+        sentence_positions=int(inputs.sum()),
+        scored_tokens=scored,
     )
+    if total * PLAN_BYTES_PER_POSITION + scored * PLAN_BYTES_PER_SCORED <= plan_budget:
+        layout.batches.prepare()
+    return layout
 
 
-def _make_batch(rows, width, sequences, pad_id, kind, answer_ids, tree_mask_dtype) -> tuple[Batch, int]:
-    """The batch of these rows, and how many of its positions are not padding."""
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    used = torch.zeros((len(rows), width), dtype=torch.long)
-    # Each column's parent column in its row's tree (itself at a root and in padding): the mask is built
-    # from these with tensor ops, never from a Python list of every attending pair (a forward call has millions).
-    parents = torch.arange(width).repeat(len(rows), 1)
-    depth_most = 0
-    positions, contexts, targets, owners, slots = [], [], [], [], []
-    filled = 0
-    for r, row in enumerate(rows):
-        columns: dict[tuple[int, int], int] = {}  # a node of the row -> its column
-        read: dict[int, int] = {}  # column -> its index in ``positions``
-        for sequence in row:
-            ids = sequences[sequence]
-            last = len(ids) - (1 if answer_ids else 2)  # the depth of its last input
-            parent = -1
-            for depth, token in enumerate(ids[: last + 1]):
-                # In a tree a node is a distinct prefix; otherwise every sequence has positions of its own.
-                node = (parent, token) if kind == "tree" else (sequence, depth)
-                column = columns.get(node)
-                if column is None:
-                    column = columns[node] = len(columns)
-                    if parent >= 0:
-                        parents[r, column] = parent
-                    input_ids[r, column] = token
-                    position_ids[r, column] = depth
-                    depth_most = max(depth_most, depth)
-                parent = column
-                if answer_ids and depth < last:
-                    continue
-                if column not in read:
-                    read[column] = len(positions)
-                    positions.append(r * width + column)
-                read_here = enumerate(answer_ids) if answer_ids else [(depth, ids[depth + 1])]
-                for slot, target in read_here:
-                    contexts.append(read[column])
-                    targets.append(target)
-                    owners.append(sequence)
-                    slots.append(slot)
-        filled += len(columns)
-        used[r, : len(columns)] = 1
-        # Padding after the last sequence: its own position run, so it is a separate block when packed.
-        position_ids[r, len(columns) :] = torch.arange(width - len(columns))
-    if kind == "tree":
-        attention_mask = _tree_mask(parents, depth_most).unsqueeze(1)
-        if tree_mask_dtype != torch.bool:
-            attention_mask = torch.zeros(attention_mask.shape, dtype=tree_mask_dtype).masked_fill_(
-                ~attention_mask, torch.finfo(tree_mask_dtype).min
-            )
+def batch_arrays(
+    sequences: TokenSequences, rows: RowOrder, first: int, end: int, width: int, pad_id: int, answer_ids: tuple, tree: bool
+) -> dict[str, np.ndarray]:
+    """The compact arrays of the batch of rows ``first`` to ``end`` (exclusive), each ``width`` positions, with numpy.
+
+    The sequences of these rows, in order, add their inputs after the ones they share with the previous
+    sequence (``rows.common``): their new nodes are numbered one after another, which for prefix trees
+    is the depth-first order of each row's tree. A shared input's node is that of the last sequence
+    that added it (a running maximum down the columns of a [sequences x depth] grid), and a node's
+    subtree ends where the next sequence that shares fewer inputs starts (a running minimum up them).
+    """
+    lo, hi = rows.row_starts[first], rows.row_starts[end]
+    seqs = rows.order[lo:hi]
+    n, c = rows.inputs[lo:hi], rows.common[lo:hi]
+    m, depth = len(seqs), np.arange(int(n.max(initial=1)))
+    index = np.arange(m)
+    row_sizes = np.diff(rows.row_starts[first : end + 1])
+    row_of = np.repeat(np.arange(end - first), row_sizes)
+    tokens = _input_matrix(sequences, seqs, sequences.lengths()[seqs])  # every token: inputs and targets
+    new = n - c
+    base = np.cumsum(new) - new  # each sequence's first new node
+    row_base = base[rows.row_starts[first:end] - lo]  # each row's first node
+    beyond_shared = depth >= c[:, None]
+    owner = np.maximum.accumulate(np.where(beyond_shared, index[:, None], -1), axis=0)
+    node = base[owner] + depth - c[owner]  # [m, depth]: the node of each input (where depth < n)
+    node_seq, node_depth = np.nonzero(beyond_shared & (depth < n[:, None]))  # in node order
+    node_row = row_of[node_seq]
+    flat = node_row * width + np.arange(len(node_seq)) - row_base[node_row]
+    used = np.bincount(node_row, minlength=end - first)
+    input_ids = np.full((end - first) * width, pad_id, dtype=np.int32)
+    input_ids[flat] = tokens[node_seq, node_depth]
+    small = np.int16 if width < 2**15 else np.int32
+    # Padding after a row's last node: a position run of its own (a block of its own when packed).
+    position_ids = (np.arange(width)[None, :] - used[:, None]).astype(small).ravel()
+    position_ids[flat] = node_depth
+    arrays = {"input_ids": input_ids, "position_ids": position_ids}
+    if tree:
+        shares_less = np.where(c[:, None] <= depth, index[:, None], m)  # sequences that leave a subtree at that depth
+        following = np.minimum.accumulate(shares_less[::-1], axis=0)[::-1]
+        following = np.vstack([following[1:], np.full((1, len(depth)), m)])
+        subtree_end = np.append(base, new.sum())[following[node_seq, node_depth]]
+        sizes = np.ones((end - first) * width, dtype=small)  # padding: a subtree of its own column only
+        sizes[flat] = subtree_end - np.arange(len(node_seq))
+        arrays["sizes"] = sizes
     else:
-        attention_mask = used if kind == "padded" else None
-    batch = Batch(
-        input_ids=input_ids,
-        position_ids=position_ids,
+        arrays["used"] = used.astype(np.int32)
+    if answer_ids:  # a prompt's last input is read, once per answer
+        last, contexts = np.unique(node[index, n - 1], return_inverse=True)
+        arrays["score_positions"] = flat[last].astype(np.int32)
+        arrays["score_contexts"] = np.repeat(contexts.astype(np.int32), len(answer_ids))
+        arrays["score_targets"] = np.tile(np.asarray(answer_ids, dtype=np.int32), m)
+        arrays["score_sentences"] = np.repeat(seqs.astype(np.int32), len(answer_ids))
+        arrays["score_slots"] = np.tile(np.arange(len(answer_ids), dtype=np.int16), m)
+    else:  # every input is read (each node is its adder's context), for the token after it
+        scored_seq, scored_depth = np.nonzero(depth < n[:, None])
+        arrays["score_positions"] = flat.astype(np.int32)
+        arrays["score_contexts"] = node[scored_seq, scored_depth].astype(np.int32)
+        arrays["score_targets"] = tokens[scored_seq, scored_depth + 1]
+        arrays["score_sentences"] = seqs[scored_seq].astype(np.int32)
+        arrays["score_slots"] = scored_depth.astype(small)
+    return arrays
+
+
+def _to_tensors(arrays: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+
+
+def _batch(arrays: dict[str, torch.Tensor], rows: int, width: int, kind: str, tree_mask_dtype: torch.dtype) -> Batch:
+    """The model's inputs from a batch's compact tensors: ids widened to int64, the mask broadcast."""
+    if kind == "tree":
+        attention_mask = interval_mask(arrays["sizes"].view(rows, width), tree_mask_dtype)
+    elif kind == "padded":
+        columns = torch.arange(width, device=arrays["used"].device)
+        attention_mask = (columns[None, :] < arrays["used"][:, None]).long()
+    else:
+        attention_mask = None
+    return Batch(
+        input_ids=arrays["input_ids"].view(rows, width).long(),
+        position_ids=arrays["position_ids"].view(rows, width).long(),
         attention_mask=attention_mask,
-        score_positions=torch.tensor(positions, dtype=torch.long),
-        score_contexts=torch.tensor(contexts, dtype=torch.long),
-        score_targets=torch.tensor(targets, dtype=torch.long),
-        score_sentences=torch.tensor(owners, dtype=torch.long),
-        score_slots=torch.tensor(slots, dtype=torch.long),
+        score_positions=arrays["score_positions"].long(),
+        score_contexts=arrays["score_contexts"].long(),
+        score_targets=arrays["score_targets"].long(),
+        score_sentences=arrays["score_sentences"].long(),
+        score_slots=arrays["score_slots"].long(),
     )
-    return batch, filled
 
 
-def _tree_mask(parents: torch.Tensor, depth_most: int) -> torch.Tensor:
-    """[rows, width, width] bool: each column sees itself and its ancestors (``parents``: [rows, width], a
-    root's and padding's parent is itself, so padding attends to itself only)."""
-    rows, width = parents.shape
-    tree = torch.zeros((rows, width, width), dtype=torch.bool)
-    seen = torch.arange(width).repeat(rows, 1)  # each column's ancestor at the current step up
-    for _ in range(depth_most + 1):  # a column at depth d has d ancestors: d steps up reach its root
-        tree.scatter_(2, seen.unsqueeze(2), True)
-        seen = parents.gather(1, seen)
-    return tree
-
-
-def _input_matrix(sequences: TokenSequences, chosen: list[int], inputs: np.ndarray) -> np.ndarray:
+def _input_matrix(sequences: TokenSequences, chosen: np.ndarray, inputs: np.ndarray) -> np.ndarray:
     """The first ``inputs[i]`` tokens of each chosen sequence, one a row, padded with -1: [chosen x longest input]."""
     # The flat index of every input token, row after row: each row's start, plus 0, 1, ... within the row.
     flat = np.arange(inputs.sum()) + np.repeat(sequences.offsets[chosen] - np.cumsum(inputs) + inputs, inputs)
     matrix = np.full((len(chosen), int(inputs.max(initial=0))), -1, dtype=np.int32)
     matrix[np.arange(matrix.shape[1]) < inputs[:, None]] = sequences.ids[flat]
     return matrix
-
-
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    return Batch(**{name: None if value is None else value.to(device) for name, value in vars(batch).items()})

@@ -19,17 +19,21 @@ non-finite sequences and one distributed lockstep serve both protocols.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from ..tokenized.cache import SentenceCache
 from . import distributed
+from .cells import Cells
+from .forward import model_output, read_logprobs
 from .memory_budget import (
     default_memory_budget,
     positions_per_forward,
     release_freed_memory,
     retry_out_of_memory,
 )
+from .method_check import MethodCheck
 from .model_checks import (
     ScoringError,
     check_causal_lm,
@@ -39,18 +43,10 @@ from .model_checks import (
     input_device,
     tree_mask_dtype,
     unwrap_model,
-    weight_fingerprint,
 )
 from .packing import Batch, Layout, TokenSequences, build_layout
-from .scoring_method import (
-    RecheckSchedule,
-    ScoringMethod,
-    agree,
-    first_matching_method,
-    layouts_to_try,
-    relative_tolerance,
-)
-from .tiled_head import head_logprobs, head_tile, plain_head_weight
+from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
+from .tiled_head import head_tile, plain_head_weight
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
 
@@ -58,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_LENGTH = 256
 SAMPLE_PAIRS = 12  # pairs in the sample the scoring method is checked on
+PLAN_SHARE = 4  # a kept layout's prepared batches (its plan) may hold up to a quarter of the memory budget
 
 
 class Scorer:
@@ -126,25 +123,45 @@ class Scorer:
         self.memory_budget = memory_budget or default_memory_budget(self.cache.device, full_logits)
         if isinstance(method, str):
             method = ScoringMethod(method, "tiled" if self._head_weight() is not None else "full_logits")
-        self.method = method
-        self._method_given = method is not None  # by the caller: used as it is
-        self._method_checked = False
-        self._recheck = RecheckSchedule()
-        self._reads_positions: dict[str, bool] = {}  # layout -> whether the forward reads its position ids
+        sample = sample_sequences(self.cache.lengths, SAMPLE_PAIRS)
+        self.check = MethodCheck(
+            self.lm,
+            method,
+            sample=sample,
+            heads=self._heads,
+            reference=lambda sequences: reference_readout(self._forward, self.cache, sequences),
+            readout=lambda method, sequences: self.cells.reduce(self._score_cells(method, sequences))[sequences],
+            reads_positions=self._forward_reads_positions,
+            tokens=torch.tensor([self.cache.lengths[s] - 1 for s in sample]),
+            rtol=lambda: relative_tolerance(self._dtype(), self.cache.device),
+        )
         self._layouts: dict[tuple, Layout] = {}
         self._sequences: TokenSequences | None = None  # the cache's token ids on the host
         self.oom_retries = 0
-        self.method_replacements = 0  # methods that failed a later check and were replaced
         self._built_dtype = self._dtype()
         self.keep_token_logprobs = keep_token_logprobs
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
-        # Each sequence's number of cells and its first cell, on the cache's device, and the number of
-        # cells: made once (``_cell_layout``).
-        self._cell_widths: torch.Tensor | None = None
-        self._cell_starts: torch.Tensor | None = None
-        self._cell_total = 0
+        self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
+        self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
+        # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
+        # check's samples included) and the method check's forwards; 0 where they were reused.
+        self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
+
+    @property
+    def method(self) -> ScoringMethod | None:
+        """The scoring method in use (None before the first evaluation chose it)."""
+        return self.check.method
+
+    @method.setter
+    def method(self, method: ScoringMethod) -> None:
+        self.check.method = method
+
+    @property
+    def method_replacements(self) -> int:
+        """Methods that failed a later check and were replaced."""
+        return self.check.replacements
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -181,22 +198,33 @@ class Scorer:
         self.model.eval()
         try:
             with distributed.shared_failures():
-                return retry_out_of_memory(self, lambda: self._attempt(sequences))
+                return retry_out_of_memory(
+                    lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
+                )
         finally:
             self.model.train(was_training)
             release_freed_memory(self.cache.device)
+
+    def _set_budget(self, budget: int, retrying: bool) -> None:
+        if budget != self.memory_budget:
+            self._layouts.clear()  # plans made for another budget
+        self.memory_budget = budget
+        self.oom_retries += retrying
 
     def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
         if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
             # An adapter or hook put on the head since the method was chosen: what it computes is not its weight.
             logger.warning("tatblimp: the LM head is no longer a plain linear layer; scoring through the model's own forward")
             self.method = ScoringMethod(self.method.layout, "full_logits")
-        self._check_method_when_due()  # its sample is laid out within the budget too
+        self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
+        start = time.perf_counter()
+        self.check.when_due()  # its sample is laid out within the budget too
+        self.setup_seconds["method_check"] = time.perf_counter() - start - self.setup_seconds["plan"]
         self._token_cells = None  # freed before this evaluation's own cells are made
         cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
         if self.keep_token_logprobs and not self.cache.answer_ids:
             self._token_cells = cells
-        return self._readout(cells).cpu()
+        return self.cells.reduce(cells).cpu()
 
     def token_logprobs(self) -> list[list[float]]:
         """Every scored token's log-prob from the latest ``score()`` (with ``keep_token_logprobs``), per sentence in cache order.
@@ -214,9 +242,7 @@ class Scorer:
                 "no token log-probs: score() the sentences first with Scorer(..., keep_token_logprobs=True) "
                 "(forced-choice prompts have none)"
             )
-        cells = self._token_cells.cpu().double().tolist()
-        starts = self._cell_layout()[1].tolist()
-        return [cells[start : start + length - 1] for start, length in zip(starts, self.cache.lengths)]
+        return self.cells.per_sentence(self._token_cells)
 
     def layout(self, kind: str | None = None, sequences: range | list[int] | None = None) -> Layout:
         """The row layout used for ``kind`` (default: the chosen method's) and ``sequences`` (default: all), built once per budget."""
@@ -245,7 +271,9 @@ class Scorer:
     def _layout(self, method: ScoringMethod, sequences: range | list[int] | None = None, keep: bool = False) -> Layout:
         """The rows of ``method.layout`` for all sequences or for ``sequences``; kept (once per budget) with ``keep``.
 
-        A layout holds rows of sequence indices only: each batch's tensors are built when it is read.
+        A kept layout is the plan every evaluation reuses: its batches are prepared once, as compact
+        tensors on the device, when they fit ``PLAN_SHARE`` of the budget, and built when read otherwise.
+        A new budget (after out-of-memory) makes a new plan; a new cache, device or dtype a new scorer.
         """
         key = (method.layout, self.row_length, self._positions_per_forward(method.head))
         key += () if sequences is None else (tuple(sequences),)
@@ -253,6 +281,8 @@ class Scorer:
             return self._layouts[key]
         if self._sequences is None:
             self._sequences = TokenSequences(self.cache.token_ids, self.cache.offsets)
+        self.layouts_built += 1
+        start = time.perf_counter()
         layout = build_layout(
             self._sequences,
             method.layout,
@@ -263,7 +293,9 @@ class Scorer:
             chosen=sequences,
             answer_ids=self.cache.answer_ids,
             tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
+            plan_budget=self.memory_budget // PLAN_SHARE if keep or sequences is None else 0,
         )
+        self.setup_seconds["plan"] += time.perf_counter() - start
         if keep or sequences is None:
             self._layouts[key] = layout
         return layout
@@ -272,44 +304,25 @@ class Scorer:
         self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
     ) -> torch.Tensor:
         """The log-prob of every scored token (sentences) or answer (prompts), one cell each, written once
-        (zeros where nothing is read): sequence ``s``'s cells start at ``_cell_layout()[1][s]``, in token (or answer) order.
+        (zeros where nothing is read): sequence ``s``'s cells start at ``self.cells.starts[s]``, in token (or answer) order.
 
         Across processes (``split``, default: all sequences) the batches are dealt out and the cells
         added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
         check's sample) every process runs them all. A filler batch only keeps a sharded model's forward
         calls in step. Each batch is built when it is read and freed before the next.
         """
-        device = self.cache.device
-        _, starts, total = self._cell_layout()
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        cells = torch.zeros(total, dtype=dtype, device=device)
+        cells = self.cells.empty()
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self._batch_logprobs(batch, method.head).to(dtype)
+            logprobs = self._batch_logprobs(batch, method.head)
             if not is_filler:
-                cells[starts[batch.score_sentences] + batch.score_slots] = logprobs
+                self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
         cells = distributed.sum_over_processes(cells) if split else cells
         if method.layout != "padded":
             cells = self._rescore_non_finite(cells, method.head)
         return cells
-
-    def _cell_layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(cells, first cell) of each sequence, and the number of cells: a sentence of n tokens has n - 1 cells
-        (its scored tokens), a prompt one per answer; the cells of all sequences follow each other in cache order."""
-        if self._cell_widths is None:
-            answers = len(self.cache.answer_ids)
-            widths = torch.tensor(self.cache.lengths) - 1 if not answers else torch.full((self.cache.num_sentences,), answers)
-            self._cell_widths = widths.to(self.cache.device)
-            self._cell_starts = (widths.cumsum(0) - widths).to(self.cache.device)
-            self._cell_total = int(widths.sum())
-        return self._cell_widths, self._cell_starts, self._cell_total
-
-    def _cell_owners(self) -> torch.Tensor:
-        """The sequence of each cell."""
-        widths = self._cell_layout()[0]
-        return torch.repeat_interleave(torch.arange(len(widths), device=widths.device), widths)
 
     def _rescore_non_finite(self, cells: torch.Tensor, head: str) -> torch.Tensor:
         """Score again, one sequence a row, the sequences with a NaN or inf log-prob.
@@ -320,148 +333,29 @@ class Scorer:
         """
         if torch.isfinite(cells).all():
             return cells
-        owners = self._cell_owners()
+        owners = self.cells.owners()
         bad = owners[~torch.isfinite(cells)].unique().tolist()
         theirs = torch.isin(owners, torch.tensor(bad, device=owners.device))
         cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad)[theirs]
         return cells
 
-    def _readout(self, cells: torch.Tensor) -> torch.Tensor:
-        """Sentences: the sum of each one's cells; prompts: the answers' log-probs, [prompts, answers].
-
-        A sentence is added up cell by cell from the left, as Python's ``sum()`` adds a list, so its
-        log-prob is exactly the sum of its tokens' (``token_logprobs``) on any device.
-        """
-        if self.cache.answer_ids:
-            return cells.view(self.cache.num_sentences, len(self.cache.answer_ids))
-        widths, starts, _ = self._cell_layout()
-        total = torch.zeros(len(starts), dtype=cells.dtype, device=cells.device)
-        for slot in range(max(self.cache.lengths, default=1) - 1):
-            # A sentence that has ended adds 0, which changes no sum (and no device sync is needed to skip it).
-            values = cells[(starts + slot).clamp(max=len(cells) - 1)]
-            total += torch.where(widths > slot, values, torch.zeros_like(values))
-        return total
-
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
-        """log p(target | context) of every (context, target) the batch scores, in float32."""
+        """log p(target | context) of every (context, target) the batch scores, in float32, on the cache's device."""
         output = self._model_output(batch, head)
-        if head == "full_logits":
-            return output.float().log_softmax(-1)[batch.score_contexts, batch.score_targets]
-        # Under a device map the head may sit on another device than the last layer and the cache.
-        device = self._head_weight().device
-        logprobs = head_logprobs(
-            self.lm, output.to(device), batch.score_contexts.to(device), batch.score_targets.to(device), self.head_tile
+        weight = self._head_weight() if head == "tiled" else None
+        tile = self.head_tile if head == "tiled" else None
+        return read_logprobs(self.lm, output, batch, head, tile, weight.device if weight is not None else None).to(
+            self.cache.device
         )
-        return logprobs.to(self.cache.device)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The hidden states ("tiled" head) or the model's logits ("full_logits") at the positions the batch reads."""
-        inputs = {
-            "input_ids": batch.input_ids,
-            "position_ids": batch.position_ids if position_ids is None else position_ids,
-            "attention_mask": batch.attention_mask,
-            "use_cache": False,
-        }
-        if head == "full_logits":
-            output = self._forward(**inputs).logits
-        else:
-            output = self.lm.base_model(**inputs).last_hidden_state
-        # The hidden states are wherever the last layer left them (under a device map, not the cache's device).
-        return output.reshape(-1, output.shape[-1]).index_select(0, batch.score_positions.to(output.device))
-
-    # -- choosing and re-checking the method ----------------------------------------------------
-
-    def _check_method_when_due(self) -> None:
-        """Choose the method at the first evaluation; check it again when the schedule says so (every process alike)."""
-        if self._method_given:
-            return
-        if self.method is None or not self._method_checked:
-            self.method = self._choose_method()
-            return
-        fingerprint = weight_fingerprint(self.lm)
-        if distributed.all_agree(not self._recheck.due(fingerprint)):
-            return
-        sample = self._sample()
-        reference = self._reference_readout(sample)
-        if not torch.isfinite(reference).any():
-            return  # diverged: nothing to compare with until it recovers
-        if not distributed.all_agree(self._matches(self.method, sample, reference)):
-            logger.warning("tatblimp: %s no longer matches a plain forward of this model; choosing the method again", self.method)
-            self.method_replacements += 1
-        elif not distributed.all_agree(all(self._reads_positions.values())):
-            # Faster layouts were ruled out because the outputs ignored position ids; weights that
-            # made attention blind to positions (say, zero query weights) may have trained since.
-            self._reads_positions.clear()
-        else:
-            self._recheck.checked(fingerprint)
-            return
-        self.method = self._choose_method(sample, reference)
-
-    def _choose_method(self, sample: list[int] | None = None, reference: torch.Tensor | None = None) -> ScoringMethod:
-        """The fastest method whose readout matches a plain forward on a sample of sequences."""
-        if sample is None:
-            sample = self._sample()
-            reference = self._reference_readout(sample)
-        heads = self._heads()
-        if not torch.isfinite(reference).any():
-            # A diverged model leaves nothing to compare: use the fastest method for now and check
-            # again at the next evaluation, rather than keep a choice that was never tested.
-            logger.warning("tatblimp: the model's log-probs are not finite; scoring method unchecked until they are")
-            self._method_checked = False
-            return ScoringMethod(layouts_to_try(self.lm)[0], heads[0])
-
-        def matches(method: ScoringMethod) -> bool:
-            return self._forward_reads_positions(method, sample) and self._matches(method, sample, reference)
-
-        method = first_matching_method(self.lm, heads, matches, consensus=distributed.all_agree)
-        if method is None:
-            raise ScoringError("no scoring method matches a plain forward of this model; its logits may be non-deterministic")
-        self._method_checked = True
-        self._recheck.checked(weight_fingerprint(self.lm))
-        return method
-
-    def _matches(self, method: ScoringMethod, sample: list[int], reference: torch.Tensor) -> bool:
-        values = self._readout(self._score_cells(method, sample))[sample]
-        if self.cache.answer_ids:
-            tokens = torch.ones_like(reference)
-        else:
-            tokens = torch.tensor([self.cache.lengths[s] - 1 for s in sample], dtype=reference.dtype, device=reference.device)
-        return agree(values.to(reference.dtype), reference, tokens, relative_tolerance(self._dtype(), self.cache.device))
+        return model_output(self._forward, self.lm, batch, head, position_ids)
 
     def _forward_reads_positions(self, method: ScoringMethod, sample: list[int]) -> bool:
-        """Whether the model's forward reads the position ids that tree and packed rows depend on (padded rows do not)."""
-        if method.layout == "padded":
-            return True
-        if method.layout not in self._reads_positions:
-            batch = self._layout(method, sample).batches[0]
-            reads = forward_reads_position_ids(
-                lambda ids: self._model_output(batch, method.head, ids), batch.position_ids, self.context
-            )
-            if not reads:
-                logger.warning("tatblimp: this model's forward ignores position_ids, so %s rows cannot be used", method.layout)
-            self._reads_positions[method.layout] = reads
-        return self._reads_positions[method.layout]
-
-    def _reference_readout(self, sequences: list[int]) -> torch.Tensor:
-        """One sequence at a time, the whole model, full log-softmax: the definition, computed plainly."""
-        rows = []
-        answers = list(self.cache.answer_ids)
-        for s in sequences:
-            ids = self.cache.token_ids[self.cache.offsets[s] : self.cache.offsets[s + 1]].unsqueeze(0)
-            logprobs = self._forward(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
-            if answers:
-                rows.append(logprobs[-1, answers].double())
-            else:
-                rows.append(logprobs[:-1].gather(-1, ids[0, 1:, None]).double().sum())
-        return torch.stack(rows).to(self.cache.device)
-
-    def _sample(self) -> list[int]:
-        """A few pairs spread over the length range, long ones included: both sequences of each, so
-        that prefix-tree rows share (and branch off) a prefix as they do in a full evaluation."""
-        lengths = self.cache.lengths
-        by_length = sorted(range(len(lengths)), key=lambda s: lengths[s])
-        picks = {by_length[round(i * (len(by_length) - 1) / (SAMPLE_PAIRS - 1))] for i in range(SAMPLE_PAIRS)}
-        return sorted(picks | {s ^ 1 for s in picks if s ^ 1 < len(lengths)})
+        batch = self._layout(method, sample).batches[0]
+        return forward_reads_position_ids(
+            lambda ids: self._model_output(batch, method.head, ids), batch.position_ids, self.context
+        )
 
     # -- model facts ----------------------------------------------------------------------------
 

@@ -144,3 +144,28 @@ class RecheckSchedule:
             self.waiting_for_change = False
             return True
         return False
+
+
+def sample_sequences(lengths: list[int], pairs: int) -> list[int]:
+    """A few pairs spread over the length range, long ones included: both sequences of each, so
+    that prefix-tree rows share (and branch off) a prefix as they do in a full evaluation."""
+    by_length = sorted(range(len(lengths)), key=lambda s: lengths[s])
+    picks = {by_length[round(i * (len(by_length) - 1) / (pairs - 1))] for i in range(pairs)}
+    return sorted(picks | {s ^ 1 for s in picks if s ^ 1 < len(lengths)})
+
+
+def reference_readout(forward, cache, sequences: list[int]) -> torch.Tensor:
+    """One sequence at a time, the whole model (``forward``), full log-softmax: the definition, computed plainly.
+
+    Sentences: each one's log-prob; prompts (``cache.answer_ids``): each answer's after the prompt.
+    """
+    rows = []
+    answers = list(cache.answer_ids)
+    for s in sequences:
+        ids = cache.token_ids[cache.offsets[s] : cache.offsets[s + 1]].unsqueeze(0)
+        logprobs = forward(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
+        if answers:
+            rows.append(logprobs[-1, answers].double())
+        else:
+            rows.append(logprobs[:-1].gather(-1, ids[0, 1:, None]).double().sum())
+    return torch.stack(rows).to(cache.device)

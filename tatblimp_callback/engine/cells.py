@@ -1,0 +1,67 @@
+"""Where each log-prob lands, and how the cells are reduced: the readout's last steps.
+
+Every scored token (sentences) or answer (prompts) has its own cell: a sequence's cells follow each
+other, in token (or answer) order, and the sequences' in cache order. A batch writes its log-probs
+into their cells once (``write``); a sentence's log-prob is then the sum of its cells, added from the
+left as Python's ``sum()`` adds a list (``reduce``), so it is exactly the sum of its token log-probs on
+any device, whatever the batching and the number of processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tokenized.cache import SentenceCache
+
+
+class Cells:
+    """The cells of a cache's sequences: a sentence of n tokens has n - 1 (its scored tokens), a prompt one per answer."""
+
+    def __init__(self, cache: SentenceCache):
+        self.answers = len(cache.answer_ids)
+        self.lengths = list(cache.lengths)
+        if self.answers:
+            widths = torch.full((cache.num_sentences,), self.answers)
+        else:
+            widths = torch.tensor(self.lengths, dtype=torch.long) - 1
+        self.widths = widths.to(cache.device)  # each sequence's number of cells
+        self.starts = (widths.cumsum(0) - widths).to(cache.device)  # each sequence's first cell
+        self.total = int(widths.sum())
+        self.device = cache.device
+        # For the reduction: the sentences longest first, so that those still adding a cell at slot k are
+        # the first ``alive[k]`` of them (a slice, not a mask).
+        order = torch.sort(widths, descending=True, stable=True).indices
+        self._order = order.to(cache.device)
+        self._order_starts = self.starts[self._order]
+        counts = torch.bincount(widths, minlength=1)  # sentences of each width
+        self._alive = counts.flip(0).cumsum(0).flip(0)[1:].tolist()  # alive[k]: sentences with more than k cells
+
+    def empty(self) -> torch.Tensor:
+        """Zeros, one a cell: float64 (float32 on MPS, which has no float64)."""
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        return torch.zeros(self.total, dtype=dtype, device=self.device)
+
+    def write(self, cells: torch.Tensor, sequences: torch.Tensor, slots: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Put each log-prob in the cell of its sequence and slot (token place, or answer index)."""
+        cells[self.starts[sequences] + slots] = logprobs.to(cells.dtype)
+
+    def owners(self) -> torch.Tensor:
+        """The sequence of each cell."""
+        return torch.repeat_interleave(torch.arange(len(self.widths), device=self.device), self.widths)
+
+    def reduce(self, cells: torch.Tensor) -> torch.Tensor:
+        """Sentences: the sum of each one's cells, left to right; prompts: the answers' log-probs, [prompts, answers]."""
+        if self.answers:
+            return cells.view(-1, self.answers)
+        by_width = torch.zeros(len(self.starts), dtype=cells.dtype, device=cells.device)
+        for slot, alive in enumerate(self._alive):
+            by_width[:alive] += cells[self._order_starts[:alive] + slot]  # slot k of every sentence that has one
+        total = torch.empty_like(by_width)
+        total[self._order] = by_width
+        return total
+
+    def per_sentence(self, cells: torch.Tensor) -> list[list[float]]:
+        """Each sentence's cells as a list of floats, in token order."""
+        values = cells.cpu().double().tolist()
+        starts = self.starts.tolist()
+        return [values[start : start + length - 1] for start, length in zip(starts, self.lengths)]

@@ -1,0 +1,117 @@
+"""Which sequences go in which row, for each layout: the first step of the plan, computed with numpy.
+
+A ``RowOrder`` lists the sequences in the order their positions are laid out, where each row starts,
+and how many leading inputs each sequence shares with the one before it in its row (its prefix in a
+prefix tree; 0 in packed and padded rows, and at the start of every row). Everything else about the
+rows (``packing``) follows from it and the token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+COMPARED_AT_ONCE = 8192  # sorted sequences compared with their neighbours at a time when laying out trees
+
+
+@dataclass
+class RowOrder:
+    """Sequences in layout order (``order``), each one's inputs (``inputs``) and inputs shared with the
+    previous one of its row (``common``), and the index in ``order`` where each row starts (``row_starts``,
+    one more than there are rows: the last is ``len(order)``)."""
+
+    order: np.ndarray
+    inputs: np.ndarray
+    common: np.ndarray
+    row_starts: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_starts) - 1
+
+    def row_nodes(self) -> np.ndarray:
+        """Positions each row holds (not counting padding)."""
+        new = np.concatenate([[0], np.cumsum(self.inputs - self.common)])
+        return new[self.row_starts[1:]] - new[self.row_starts[:-1]]
+
+    def rows(self, chosen: np.ndarray | None = None) -> list[list[int]]:
+        """The rows as lists of sequence indices (of ``chosen`` where given)."""
+        ids = self.order if chosen is None else np.asarray(chosen)[self.order]
+        return [part.tolist() for part in np.split(ids, self.row_starts[1:-1])]
+
+
+def check_fits(inputs: np.ndarray, row_length: int) -> None:
+    too_long = np.flatnonzero(inputs > row_length)
+    if len(too_long):
+        raise ValueError(f"sentence {too_long[0]} has {inputs[too_long[0]]} tokens, more than a row of {row_length}")
+
+
+def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOrder:
+    """Prefix-tree rows of the sequences padded with -1 into ``matrix`` [sequences x longest input].
+
+    Sorted as lists sort (a shorter sequence before the longer ones it starts; -1 is below any token
+    id), equal sequences by index: a sequence shares the most leading tokens with the one just before
+    it, so a row's tree grows by the tokens after that common prefix, and a row ends where its tree
+    would outgrow ``row_length`` positions.
+    """
+    check_fits(inputs, row_length)
+    order = np.lexsort((np.arange(len(inputs)), *matrix.T[::-1]))
+    common = np.zeros(len(order), dtype=np.int64)  # tokens each shares with the one before it
+    for start in range(1, len(order), COMPARED_AT_ONCE):  # in slices: no sorted copy of the whole matrix
+        current = matrix[order[start : start + COMPARED_AT_ONCE]]
+        previous = matrix[order[start - 1 : start - 1 + len(current)]]
+        same = (current == previous) & (current >= 0)
+        common[start : start + len(current)] = np.logical_and.accumulate(same, axis=1).sum(axis=1)
+    inputs = inputs[order].astype(np.int64)
+    # A row starting at sequence s holds s's inputs and then each next one's new inputs: with the
+    # running sum of new inputs, its end is found by one search a row (a loop over rows, not sequences).
+    new = np.concatenate([[0], np.cumsum(inputs - common)])
+    starts = [0]
+    while starts[-1] < len(order):
+        s = starts[-1]
+        limit = new[s + 1] + row_length - inputs[s]  # the first sequence's inputs count in full
+        starts.append(max(s + 1, int(np.searchsorted(new, limit, side="right")) - 1))
+    row_starts = np.array(starts, dtype=np.int64)
+    common[row_starts[:-1]] = 0
+    return RowOrder(order, inputs, common, row_starts)
+
+
+def packed_order(inputs: np.ndarray, row_length: int) -> RowOrder:
+    """First-fit decreasing: longest first (equal lengths by index), each into the first row with room.
+
+    Computed row by row: the first row takes, longest first, every sequence that still fits; the
+    next row the same from what is left, and so on, which is what first-fit decreasing puts in each
+    row. Sequences of one length are taken as many at a time as fit, so the loop runs over rows and
+    distinct lengths, never over sequences.
+    """
+    check_fits(inputs, row_length)
+    inputs = np.asarray(inputs, dtype=np.int64)
+    by_length = np.lexsort((np.arange(len(inputs)), -inputs))
+    sizes, firsts, counts = np.unique(-inputs[by_length], return_index=True, return_counts=True)
+    sizes = (-sizes).tolist()  # longest first
+    taken = [0] * len(sizes)
+    left = len(inputs)
+    pieces, starts = [], [0]
+    placed = 0
+    while left:
+        room = row_length
+        for c, size in enumerate(sizes):
+            remaining = counts[c] - taken[c]
+            if remaining and size <= room:
+                k = remaining if size == 0 else min(remaining, room // size)
+                pieces.append(by_length[firsts[c] + taken[c] : firsts[c] + taken[c] + k])
+                taken[c] += k
+                room -= k * size
+                left -= k
+                placed += k
+        starts.append(placed)
+    order = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return RowOrder(order, inputs[order], np.zeros(len(order), dtype=np.int64), np.array(starts, dtype=np.int64))
+
+
+def padded_order(inputs: np.ndarray) -> RowOrder:
+    """One sequence a row, longest first (equal lengths by index)."""
+    inputs = np.asarray(inputs, dtype=np.int64)
+    order = np.lexsort((np.arange(len(inputs)), -inputs))
+    return RowOrder(order, inputs[order], np.zeros(len(order), dtype=np.int64), np.arange(len(order) + 1))

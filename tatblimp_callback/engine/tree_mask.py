@@ -1,0 +1,47 @@
+"""The prefix-tree attention mask from one integer a position: the size of its subtree.
+
+A row's tree is laid out depth first (sorted sequences add their new tokens in order), so the
+subtree of column k is the run of columns k, k + 1, ..., k + ``sizes[k]`` - 1, and column k is an
+ancestor of column q (or q itself) exactly when ``0 <= q - k < sizes[k]``. The mask is that test,
+broadcast over (query, key): with the offsets q - k of a row's width made once (a query before its
+key gets the width, which no subtree reaches), it is one comparison an element, with no step per
+depth and nothing quadratic kept between forward calls. Padding is a subtree of one: it sees itself
+only. The same test is a FlexAttention ``mask_mod`` (``flex_mask_mod``), for a block-sparse mask
+that skips the blocks no position attends to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_OFFSETS: dict[tuple, torch.Tensor] = {}  # (width, dtype, device) -> [width, width] q - k, or width where q < k
+
+
+def interval_mask(sizes: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """[rows, 1, width, width]: query q sees key k where ``0 <= q - k < sizes[row, k]``; boolean (True:
+    attend), or additive in the floating ``dtype`` (0, or its most negative value), as eager attention wants."""
+    seen = _offsets(sizes.shape[-1], sizes.dtype, sizes.device).unsqueeze(0) < sizes.unsqueeze(1)
+    if dtype == torch.bool:
+        return seen.unsqueeze(1)
+    mask = torch.zeros(seen.shape, dtype=dtype, device=sizes.device)
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def flex_mask_mod(sizes: torch.Tensor):
+    """The same test as a FlexAttention ``mask_mod(batch, head, query, key)``, for ``create_block_mask``."""
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (q - kv < sizes[b, kv])
+
+    return mask_mod
+
+
+def _offsets(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (width, dtype, str(device))
+    if key not in _OFFSETS:
+        if len(_OFFSETS) >= 8:  # a few row widths at a time
+            _OFFSETS.clear()
+        columns = torch.arange(width, device=device)
+        offsets = columns[:, None] - columns[None, :]
+        _OFFSETS[key] = torch.where(offsets >= 0, offsets, width).to(dtype)
+    return _OFFSETS[key]
