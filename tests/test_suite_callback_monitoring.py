@@ -69,3 +69,23 @@ def test_a_repeated_error_with_suites_gets_one_traceback(bpe_tokenizer, small_da
     # Before: a traceback at every evaluation (the error log was keyed by a new functools.partial each time).
     assert len(with_traceback) == 1 and "cannot score this model" in with_traceback[0]
     assert sum("(as before)" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_a_metric_for_best_model_the_callback_never_logs_is_named_once(bpe_tokenizer, small_data, blimp, tmp_path, caplog):
+    cb = TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=100, suites={"blimp": blimp})
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer)),
+        bpe_tokenizer,
+        tmp_path,
+        [cb],
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        metric_for_best_model="blimp/acc_normm",  # a typo: NaN at every evaluation, the run goes on
+        eval_dataset=corpus_blocks(bpe_tokenizer, lines=8),
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 2 and trainer.state.best_metric == -math.inf  # the Trainer's start: never improved
+    said = [r.getMessage() for r in caplog.records if "is not a key the callback logs" in r.getMessage()]
+    assert len(said) == 1 and "'blimp/acc_normm'" in said[0] and "blimp/acc_norm" in said[0]

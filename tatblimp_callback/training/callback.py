@@ -38,7 +38,7 @@ from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .in_loop import InLoopMonitor
-from .suite_schedule import check_suite_options, missing_metric_placeholder
+from .suite_schedule import check_suite_options, missing_metric_placeholder, never_logged
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class TatBLiMPCallback(TrainerCallback):
         self._monitor = InLoopMonitor(self)
         self._wandb = reporting.WandbSection(list(self._monitor.prefixes()))
         self._warned_unreachable = False
+        self._warned_unknown_metric = False  # metric_for_best_model names a key never logged: said once
         self._started = False  # on_train_begin ran, or an evaluation before train() did its part
         self._start_run([])
 
@@ -300,6 +301,14 @@ class TatBLiMPCallback(TrainerCallback):
         if self._monitor.is_our_metric(wanted) and not wanted.startswith("eval_"):
             wanted = f"eval_{wanted}"
         if self._monitor.is_our_metric(wanted):
+            if never_logged(wanted, added) and not self._warned_unknown_metric:
+                self._warned_unknown_metric = True
+                logger.warning(
+                    "tatblimp: metric_for_best_model=%r is not a key the callback logs (it logs %s, ...); it is NaN at "
+                    "every evaluation and no checkpoint is chosen by it",
+                    args.metric_for_best_model,
+                    ", ".join(sorted(k.removeprefix("eval_") for k in added if k.startswith(wanted.split("/")[0]))[:4]),
+                )
             added.update(missing_metric_placeholder(wanted, added))
         logs.update(added)
         if copy is not None:

@@ -37,6 +37,13 @@ def missing_metric_placeholder(wanted: str, metrics: dict[str, float]) -> dict[s
     return {} if wanted in metrics else {wanted: float("nan")}
 
 
+def never_logged(wanted: str, metrics: dict[str, float]) -> bool:
+    """True when an evaluation logged ``wanted``'s section (``eval_blimp/...``) but not ``wanted`` itself: a key
+    the callback never logs (a typo in ``metric_for_best_model``), which would be NaN at every evaluation."""
+    section = wanted.split("/", 1)[0] + "/"
+    return wanted not in metrics and any(key.startswith(section) for key in metrics)
+
+
 def suite_history_files(
     history_file: reporting.HistoryFile | None, suites: dict[str, Any] | None, history: list[dict[str, Any]]
 ) -> dict[str, reporting.HistoryFile]:
