@@ -24,6 +24,7 @@ _WHERE = {
     "ForcedChoiceResults": ".chat.forced_choice",
     "evaluate_forced_choice": ".chat.forced_choice",
     "load_tokenizer": ".commands.loading",
+    "CallableLM": ".engine.callable_model",
     "PeerFailure": ".engine.distributed",
     "this_process_only": ".engine.distributed",
     "Scorer": ".engine.scoring",
@@ -51,6 +52,7 @@ _WHERE = {
 __all__ = [
     "Benchmark",
     "BenchmarkError",
+    "CallableLM",
     "ChatClient",
     "EndpointError",
     "Evaluator",
@@ -98,6 +100,7 @@ if TYPE_CHECKING:  # for type checkers and the API docs (griffe reads these impo
     from .chat.endpoint import ChatClient, EndpointError, evaluate_endpoint
     from .chat.forced_choice import ForcedChoiceEvaluator, ForcedChoiceResults, evaluate_forced_choice
     from .commands.loading import load_tokenizer
+    from .engine.callable_model import CallableLM
     from .engine.distributed import PeerFailure, this_process_only
     from .engine.scoring import Scorer, ScoringError, ScoringMethod
     from .evaluation import Evaluator, evaluate
