@@ -294,27 +294,34 @@ def _keep_answers_in_flight(in_flight: dict[Future, int], keep) -> None:
             keep(k, future.result())
 
 
-def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
-    """Replies already in a results file; an error if it was written for another model, benchmark or prompt."""
-    if not path.exists() or path.stat().st_size == 0:
-        return {}
-    lines = read_complete_lines(path)  # a line cut short when a run was killed mid-write: that item is asked again
+def read_results_file(path: Path, header: dict, format_key: str, what: str, held: str) -> list[str]:
+    """The record lines of a results file the endpoint routes append to (after its header line), or [] for a new
+    one; an error naming the file if it is another kind (``format_key`` not this ``RESULTS_FORMAT``: ``what``) or
+    was written for another model, benchmark or setting (each ``header`` key but the format's; ``held``: what it
+    holds). A line cut short when a run was killed mid-write is left out: that item is asked again."""
+    lines = read_complete_lines(path) if path.exists() else []
     if not lines:
-        return {}
+        return []
     try:
         found = json.loads(lines[0])
     except ValueError:
         found = None
-    if not isinstance(found, dict) or found.get("tatblimp_forced_choice") != RESULTS_FORMAT:
-        raise EndpointError(f"{path}: not a tatblimp forced-choice results file; choose another results path")
-    for key in ("model", "benchmark_md5", "benchmark_selection", "prompt", "system_prompt"):
-        if found.get(key) != header[key]:
+    if not isinstance(found, dict) or found.get(format_key) != header[format_key]:
+        raise EndpointError(f"{path}: not a tatblimp {what} results file; choose another results path")
+    for key in header:
+        if key != format_key and found.get(key) != header[key]:
             raise EndpointError(
-                f"{path} holds answers for a different {key.replace('_', ' ')} ({found.get(key)!r}, now {header[key]!r}); "
+                f"{path} holds {held} for a different {key.replace('_', ' ')} ({found.get(key)!r}, now {header[key]!r}); "
                 "choose another results path"
             )
+    return lines[1:]
+
+
+def _load_results(path: Path, header: dict, items: int) -> dict[int, str]:
+    """Replies already in a results file; an error if it was written for another model, benchmark or prompt."""
+    lines = read_results_file(path, header, "tatblimp_forced_choice", "forced-choice", "answers")
     texts = {}
-    for number, line in enumerate(lines[1:], start=2):
+    for number, line in enumerate(lines, start=2):
         try:
             record = json.loads(line)
             k, text = record["item"], record["text"]

@@ -28,12 +28,11 @@ from typing import Any
 import torch
 
 from ..reading.data import Benchmark, load_benchmark
-from ..reading.jsonl import read_complete_lines
 from ..results.metrics import Results, compute_results
 from ..results.provenance import provenance
 from ..results.token_results import pair_tokens
 from ..tokenized.cache import build_cache
-from .endpoint import ChatClient, EndpointError, EndpointRejected, open_results, progress_bar, send_all
+from .endpoint import ChatClient, EndpointError, EndpointRejected, open_results, progress_bar, read_results_file, send_all
 
 logger = logging.getLogger(__name__)
 
@@ -270,23 +269,9 @@ def evaluate_logprob_endpoint(
 
 def _load_results(path: Path, header: dict, sentences: list[list[int]]) -> dict[int, list[float]]:
     """Token log-probs already in a results file; an error if it was written for another model, benchmark or tokenization."""
-    lines = read_complete_lines(path) if path.exists() else []  # a line cut short by a kill: that sentence is asked again
-    if not lines:
-        return {}
-    try:
-        first = json.loads(lines[0])
-    except ValueError:
-        first = None
-    if not isinstance(first, dict) or first.get("tatblimp_logprob_endpoint") != RESULTS_FORMAT:
-        raise EndpointError(f"{path}: not a tatblimp log-prob endpoint results file; choose another results path")
-    for key in ("model", "benchmark_md5", "benchmark_selection", "tokenization"):
-        if first.get(key) != header[key]:
-            raise EndpointError(
-                f"{path} holds log-probs for a different {key.replace('_', ' ')} ({first.get(key)!r}, now {header[key]!r}); "
-                "choose another results path"
-            )
+    lines = read_results_file(path, header, "tatblimp_logprob_endpoint", "log-prob endpoint", "log-probs")
     found = {}
-    for number, line in enumerate(lines[1:], start=2):
+    for number, line in enumerate(lines, start=2):
         try:
             record = json.loads(line)
             s, values = record["sentence"], record["token_logprobs"]

@@ -30,21 +30,19 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..chat.forced_choice import ForcedChoiceResults
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
-from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
-from .in_loop import InLoopMonitor
+from .in_loop import InLoopMonitor, MonitoredResults
 from .suite_schedule import check_suite_options, missing_metric_placeholder, never_logged
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class TatBLiMPCallback(TrainerCallback):
+class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     """Scores the model on TatBLiMP every ``eval_steps`` optimizer steps and logs per-phenomenon curves.
 
     It also scores before the first step, at every Trainer evaluation and at the last step; each result
@@ -178,45 +176,7 @@ class TatBLiMPCallback(TrainerCallback):
         self._started = False  # on_train_begin ran, or an evaluation before train() did its part
         self._start_run([])
 
-    # -- what it keeps --------------------------------------------------------------------------
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """One entry per evaluation: ``step`` and the logged metrics."""
-        return self._monitor.history
-
-    @property
-    def failures(self) -> int:
-        """Evaluations that raised (and were logged instead of raised)."""
-        return self._monitor.failures
-
-    @property
-    def last_results(self) -> Results | None:
-        """The latest log-prob results (None before the first evaluation)."""
-        return self._monitor.last_results
-
-    @property
-    def last_fc_results(self) -> ForcedChoiceResults | None:
-        """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
-        return self._monitor.last_fc_results
-
-    @property
-    def last_suite_results(self) -> dict[str, Results]:
-        """The latest results of each suite, by name."""
-        return self._monitor.last_suite_results
-
-    @property
-    def acquisition(self) -> dict[str, int | None]:
-        """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or
-        above ``acquisition_threshold`` (None: never); also in the wandb summary as ``<prefix>/acquisition/<name>``
-        (the string "never" there, since wandb drops None)."""
-        return self._monitor.acquisition
-
-    @property
-    def learning(self) -> LearningSummary | None:
-        """Set when training ends: per phenomenon, the fitted acquisition step with its 95% interval and the latest
-        trend (rising, flat, falling); see ``learning.py``. Also in the end-of-training wandb table."""
-        return self._monitor.learning
+    # -- what it keeps (history, failures, last_results, ...: MonitoredResults) --------------------
 
     @property
     def _evaluator(self) -> Evaluator | None:

@@ -267,6 +267,50 @@ class InLoopMonitor:
         return result
 
 
+class MonitoredResults:
+    """What a callback holding an ``InLoopMonitor`` (as ``_monitor``) shows of it: the same for every framework."""
+
+    _monitor: InLoopMonitor
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """One entry per evaluation: ``step`` and the logged metrics."""
+        return self._monitor.history
+
+    @property
+    def failures(self) -> int:
+        """Evaluations that raised (and were logged instead of raised)."""
+        return self._monitor.failures
+
+    @property
+    def last_results(self) -> Results | None:
+        """The latest log-prob results (None before the first evaluation)."""
+        return self._monitor.last_results
+
+    @property
+    def last_fc_results(self) -> ForcedChoiceResults | None:
+        """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
+        return self._monitor.last_fc_results
+
+    @property
+    def last_suite_results(self) -> dict[str, Results]:
+        """The latest results of each suite, by name."""
+        return self._monitor.last_suite_results
+
+    @property
+    def acquisition(self) -> dict[str, int | None]:
+        """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or
+        above ``acquisition_threshold`` (None: never); with wandb also in its summary as ``<prefix>/acquisition/<name>``
+        (the string "never" there, since wandb drops None)."""
+        return self._monitor.acquisition
+
+    @property
+    def learning(self) -> LearningSummary | None:
+        """Set when training ends: per phenomenon, the fitted acquisition step with its 95% interval and the latest
+        trend (rising, flat, falling); see ``learning.py``. With wandb also in the end-of-training table."""
+        return self._monitor.learning
+
+
 def _weights_label_or_none(model) -> str | None:
     try:
         return weights_label(unwrap_model(model))

@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from ..chat.forced_choice import ForcedChoiceResults
 from ..engine.model_checks import unwrap_model
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
-from .in_loop import InLoopMonitor
+from .in_loop import InLoopMonitor, MonitoredResults
 from .lightning_monitoring import expose, warn_about_monitors
 from .suite_schedule import check_suite_options
 
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class TatBLiMPLightningCallback(Callback):
+class TatBLiMPLightningCallback(MonitoredResults, Callback):
     """Scores the LightningModule's language model on TatBLiMP every ``eval_every_n_steps`` global steps.
 
     Every process calls the scorer under DDP (each scores a share, all get the same results); the global
@@ -126,16 +125,13 @@ class TatBLiMPLightningCallback(Callback):
     """Score the suites at every k-th evaluation only, as ``TatBLiMPCallback.suite_every``."""
 
     alert_on_regression: bool = True
-    """After each evaluation, compare every phenomenon and overall score (TatBLiMP's and each suite's) with its best
-    earlier evaluation pair by pair, and raise an alert for a significant fall (see ``alerts.py``): a warning line,
-    ``<prefix>/alerts``, ``alerts`` in the history file and ``wandb.run.alert`` where a wandb run is active."""
+    """Regression alerts after each evaluation, as ``TatBLiMPCallback.alert_on_regression``."""
 
     alert_q: float = 0.05
-    """An alert needs a q-value below this: the McNemar p-value, corrected for the choice of the best earlier
-    evaluation and Benjamini-Hochberg adjusted (see ``regressions.py``)."""
+    """The q-value an alert needs, as ``TatBLiMPCallback.alert_q``."""
 
     alert_min_drop: float = 0.05
-    """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
+    """The fall in acc_norm an alert needs, as ``TatBLiMPCallback.alert_min_drop``."""
 
     def __post_init__(self):
         every = self.eval_every_n_steps
@@ -148,39 +144,6 @@ class TatBLiMPLightningCallback(Callback):
         self._entries: list[dict[str, Any]] = []  # every point logged: {"step": ..., **metrics}, the checkpointed state
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None
-
-    # -- what it keeps --------------------------------------------------------------------------
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """One entry per evaluation: ``step`` and the logged metrics."""
-        return self._monitor.history
-
-    @property
-    def failures(self) -> int:
-        """Evaluations that raised (and were logged instead of raised)."""
-        return self._monitor.failures
-
-    @property
-    def last_results(self) -> Results | None:
-        """The latest log-prob results (None before the first evaluation)."""
-        return self._monitor.last_results
-
-    @property
-    def learning(self):
-        """Set when training ends: each phenomenon's fitted acquisition step, interval and trend (``learning.py``)."""
-        return self._monitor.learning
-
-    @property
-    def last_fc_results(self) -> ForcedChoiceResults | None:
-        """The latest forced-choice results (``protocol`` "forced-choice" or "both")."""
-        return self._monitor.last_fc_results
-
-    @property
-    def acquisition(self) -> dict[str, int | None]:
-        """Set when training ends: per phenomenon, the first step from which acc_norm stayed at or above
-        ``acquisition_threshold`` (None: never)."""
-        return self._monitor.acquisition
 
     # -- Lightning events -----------------------------------------------------------------------
 
