@@ -220,3 +220,98 @@ def test_the_heads_in_place_log_sum_exp_equals_torchs_also_where_logits_are_not_
     assert torch.equal(torch.isnan(got), torch.isnan(expected)) and got[1] == float("inf") and got[2] == float("-inf")
     finite = torch.isfinite(expected)
     assert torch.allclose(got[finite], expected[finite], rtol=1e-6, atol=0)
+
+
+def _count_head_paths(monkeypatch) -> dict[str, int]:
+    """Calls of the head's one-tile path and of its tiled log-sum-exp (one per row tile), counted from now on."""
+    from tatblimp_callback.engine import tiled_head
+
+    counts = {"one_tile": 0, "tiled": 0}
+    for name, key in (("_one_tile_logprobs", "one_tile"), ("_log_sum_exp", "tiled")):
+        original = getattr(tiled_head, name)
+        monkeypatch.setattr(tiled_head, name, lambda *a, _f=original, _k=key: counts.__setitem__(_k, counts[_k] + 1) or _f(*a))
+    return counts
+
+
+@pytest.mark.parametrize("answers", [(), (3, 4)])
+def test_one_tile_of_the_head_gives_the_tiled_heads_log_probs_and_the_models_own(sentences_cache, answers, monkeypatch):
+    from dataclasses import replace
+
+    from tatblimp_callback.engine.forward import model_output, read_logprobs
+    from tatblimp_callback.engine.scoring_method import agree, relative_tolerance
+
+    model = tiny_llama(16)
+    cache = replace(sentences_cache, answer_ids=answers)  # the same sequences as forced-choice prompts
+    scorer = Scorer(model, cache, method=ScoringMethod("tree", "tiled"), row_length=24)
+    counts = _count_head_paths(monkeypatch)
+    rtol = relative_tolerance(torch.float32, torch.device("cpu"))
+    for batch in scorer.layout().batches:
+        hidden = model_output(model, model, batch, "tiled")
+        one_tile = read_logprobs(model, hidden, batch, "tiled", (hidden.shape[0], 16), None)
+        assert counts == {"one_tile": 1, "tiled": 0}
+        tiled = read_logprobs(model, hidden, batch, "tiled", (3, 5), None)  # row tiles of 3, columns of 5: 4 parts
+        assert counts == {"one_tile": 1, "tiled": -(-hidden.shape[0] // 3)}
+        own = read_logprobs(model, model_output(model, model, batch, "full_logits"), batch, "full_logits", None, None)
+        ones = torch.ones_like(own)
+        assert agree(one_tile, tiled, ones, rtol) and agree(one_tile, own, ones, rtol) and agree(tiled, own, ones, rtol)
+        assert one_tile.shape == (batch.score_targets.numel(),) and one_tile.max() < -0.01  # log-probs, not zeros
+        counts.update(one_tile=0, tiled=0)
+
+
+def test_one_tile_of_the_head_is_non_finite_where_the_tiled_head_is():
+    from tatblimp_callback.engine.tiled_head import head_logprobs
+
+    model = tiny_llama(16, hidden=8)
+    hidden = torch.randn(5, 8)
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        weight[:, :4] = 0
+        weight[7, 0] = 1e30  # row 1: a logit of inf at token 7
+        weight[:, 1] = 1e30  # row 2: every logit -inf
+        weight[3, 3] = 1e30  # row 4: a logit of -inf at token 3, the others finite
+    hidden[:, :4] = 0
+    hidden[1, 0], hidden[2, 1], hidden[3, 2], hidden[4, 3] = 1e30, -1e30, float("nan"), -1e30  # row 3: NaN
+    contexts = torch.tensor([0, 0, 1, 1, 1, 2, 3, 4, 4])
+    targets = torch.tensor([2, 7, 7, 2, 3, 5, 5, 3, 9])
+    one_tile = head_logprobs(model, hidden, contexts, targets, (5, 16))
+    tiled = head_logprobs(model, hidden, contexts, targets, (2, 6))
+    nan, minus_inf = torch.isnan(one_tile), one_tile == float("-inf")
+    assert nan.tolist() == [False, False, True, False, False, True, True, False, False]  # inf - inf, all -inf, NaN
+    assert minus_inf.tolist() == [False, False, False, True, True, False, False, True, False]
+    assert torch.equal(nan, torch.isnan(tiled)) and torch.equal(minus_inf, tiled == float("-inf"))
+    finite = torch.isfinite(one_tile)
+    assert torch.allclose(one_tile[finite], tiled[finite], rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("answers", [(), (3, 4)])
+def test_the_head_takes_one_tile_where_the_vocabulary_fits_and_tiles_where_not(sentences_cache, answers, monkeypatch):
+    from dataclasses import replace
+
+    from tatblimp_callback.engine.scoring_method import agree, relative_tolerance
+
+    model = tiny_llama(16)
+    cache = replace(sentences_cache, answer_ids=answers)
+    method = ScoringMethod("tree", "tiled")
+    counts = _count_head_paths(monkeypatch)
+    roomy = Scorer(model, cache, method=method, row_length=24)
+    fits = roomy.score()
+    assert roomy.head_tile[1] == 16 and counts == {"one_tile": len(roomy.layout().batches), "tiled": 0}
+    counts.update(one_tile=0, tiled=0)
+    tight = Scorer(model, cache, method=method, row_length=24, memory_budget=4 * 16 * 8)  # a tile of 4 contexts
+    tiles = tight.score()
+    contexts = [b.score_positions.numel() for b in tight.layout().batches]
+    # A forward call of at most 4 contexts (a row of few prompts) is still one tile.
+    assert tight.head_tile == (4, 16) and max(contexts) > 4
+    assert counts == {"one_tile": sum(k <= 4 for k in contexts), "tiled": sum(-(-k // 4) for k in contexts if k > 4)}
+    ones = torch.ones_like(fits)
+    assert agree(tiles, fits, ones, relative_tolerance(torch.float32, torch.device("cpu")))
+
+
+def test_a_cpu_tile_of_a_narrow_vocabulary_holds_as_many_logits_as_a_wide_ones():
+    from tatblimp_callback.engine.tiled_head import head_tile
+
+    cpu, budget = torch.device("cpu"), 512 * 2**20
+    assert head_tile(cpu, 48000, torch.float32, budget) == (2048, 2048)
+    # A character-level vocabulary: thousands of contexts a forward call are still one tile of 16 MiB.
+    assert head_tile(cpu, 100, torch.float32, budget) == (2048 * 2048 // 100, 100)
+    assert head_tile(cpu, 100, torch.float32, 2**20) == (2**20 // (100 * 8), 100)  # and within the budget
