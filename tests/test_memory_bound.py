@@ -161,18 +161,19 @@ print(kept >> 20, (rss_anon() - before) >> 20)
 @pytest.mark.skipif(not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc only")
 def test_an_evaluation_hands_the_memory_it_freed_back_to_the_system():
     # glibc as a long training process leaves it: freed blocks under 32 MiB stay mapped for reuse, and
-    # nothing is trimmed on its own. Most processes then keep hundreds of MiB after an evaluation without
-    # the release; some (by address-space layout) keep little, and prove nothing: another process is tried.
+    # nothing is trimmed on its own. Processes then keep tens to hundreds of MiB after an evaluation without
+    # the release (by address-space layout); one that keeps little proves nothing: another process is tried.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
     path = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+    # Measured on 2026-12-01: 49 to 313 MiB kept without the release (the process's layout decides), 2 MiB with it.
     for _ in range(5):
         done = subprocess.run([sys.executable, "-c", RELEASE_CHILD, *path], capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         kept_without_release, kept_with_release = map(int, done.stdout.split()[-2:])
-        if kept_without_release > 200:
+        if kept_without_release >= 40:
             break
-    assert kept_without_release > 200
-    assert kept_with_release < 32
+    assert kept_without_release >= 40  # glibc kept what the evaluation freed: the release has something to hand back
+    assert kept_with_release < 32 and kept_without_release - kept_with_release >= 32
 
 
 @pytest.mark.slow
