@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import SHARED, tiny_llama
 from tatblimp_callback.cli import main
 from tatblimp_callback.evaluation import evaluate
 
@@ -102,6 +102,54 @@ def test_the_endpoint_route_equals_the_default_backend_and_resumes_from_its_resu
         code, again = _score(server, model_dir, small_data, tmp_path, "--results", str(results_file))
         assert code == 0 and len(server.requests) == requests  # all read back: nothing asked again
         assert again["resumed_sentences"] == len(sent) and again["pairs"] == payload["pairs"]
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory):
+    """Six BLiMP pairs and one whose sentences are identical (left out, as the default backend leaves it out)."""
+    lines = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").splitlines()[:6]
+    same = json.dumps({"sentence_good": "A cat sat.", "sentence_bad": "A cat sat.", "UID": "passive_1"})
+    path = tmp_path_factory.mktemp("blimp") / "passive_1.jsonl"
+    path.write_text("\n".join([*lines[:3], same, *lines[3:]]) + "\n", encoding="utf-8")
+    return path
+
+
+def test_suites_through_the_endpoint_equal_the_default_backend_s_and_resume_from_their_own_files(
+    model_dir, bpe_tokenizer, small_data, suite_file, tmp_path, capsys
+):
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    server = CompletionsServer(saved)
+    suite = ["--suite", f"blimp={suite_file}"]
+    results_file = tmp_path / "lp.jsonl"
+    try:
+        code, payload = _score(server, model_dir, small_data, tmp_path, *suite, "--results", str(results_file))
+        assert code == 0, capsys.readouterr().err
+        reference = evaluate(saved, bpe_tokenizer, small_data, allow_modified=True, suites={"blimp": suite_file}).to_dict()
+        mine, theirs = payload["suites"]["blimp"], reference["suites"]["blimp"]
+        assert len(mine["pairs"]) == 6 and mine["left_out"] == theirs["left_out"] and len(theirs["left_out"]) == 1
+        assert set(mine) == set(theirs)
+        for key in ("outcomes", "acc", "acc_norm", "benchmark", "tokens", "bytes", "n", "ties", "partial"):
+            assert mine[key] == theirs[key], key
+        counts = [{k: (v["n"], v["acc"], v["acc_norm"]) for k, v in r["phenomena"].items()} for r in (mine, theirs)]
+        assert counts[0] == counts[1] and counts[0]["argument_structure"][0] == 6
+        values = [v for p in mine["pairs"] for v in (p["good_logprob"], p["bad_logprob"])]
+        expected = [v for p in theirs["pairs"] for v in (p["good_logprob"], p["bad_logprob"])]
+        assert max(abs(a - b) for a, b in zip(values, expected)) < 1e-4
+        assert payload["outcomes"] == reference["outcomes"]
+        assert len(server.requests) == 2 * (48 + 6) == payload["requests"]
+        suite_results = tmp_path / "lp.blimp.jsonl"  # one results file per suite, beside TatBLiMP's
+        assert len(suite_results.read_text().splitlines()) == 1 + 12
+        assert len(results_file.read_text().splitlines()) == 1 + 96
+        # A rerun reads both back; a run of the suite alone (--suites-only) takes TatBLiMP's place and asks it again.
+        code, again = _score(server, model_dir, small_data, tmp_path, *suite, "--results", str(results_file))
+        assert code == 0 and len(server.requests) == 108 and again["suites"] == payload["suites"]
+        code, alone = _score(server, model_dir, small_data, tmp_path, *suite, "--suites-only")
+        assert code == 0 and len(server.requests) == 120
+        assert alone["outcomes"] == theirs["outcomes"] and alone["left_out"] == theirs["left_out"] and "suites" not in alone
     finally:
         server.close()
 
