@@ -4,12 +4,19 @@ or answer from a real tiny model; the real vLLM server is in test_vllm.py. Also 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
 
+import tatblimp_callback
 from conftest import SHARED, tiny_llama
 from tatblimp_callback.cli import main
 from tatblimp_callback.evaluation import evaluate
@@ -152,6 +159,68 @@ def test_suites_through_the_endpoint_equal_the_default_backend_s_and_resume_from
         assert alone["outcomes"] == theirs["outcomes"] and alone["left_out"] == theirs["left_out"] and "suites" not in alone
     finally:
         server.close()
+
+
+class SlowServer(CompletionsServer):
+    """A 0.3 s server, as a loaded one is; ``answered`` counts the replies it gave."""
+
+    def __init__(self, model):
+        self.answered = 0
+        super().__init__(model)
+
+    def answer(self, body):
+        time.sleep(0.3)
+        reply = super().answer(body)
+        with self.lock:
+            self.answered += 1
+        return reply
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_whole_lines_and_a_rerun_resumes_to_the_uninterrupted_results(
+    model_dir, small_data, suite_file, tmp_path, capsys
+):
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    results_file = tmp_path / "lp.jsonl"
+    options = ["--suite", f"blimp={suite_file}", "--results", str(results_file)]
+    argv = ["score", "--model-name", "tiny", "--tokenizer", str(model_dir), "--data", str(small_data), "--allow-modified"]
+    # A shell without job control starts background jobs with SIGINT ignored: the child puts back Python's handler.
+    start = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); from tatblimp_callback.cli import main"
+    package_root = str(Path(tatblimp_callback.__file__).parents[1])  # the package this test imported
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    server = SlowServer(saved)
+    try:
+        command = [sys.executable, "-c", f"{start}; sys.exit(main(sys.argv[1:]))", *argv, "--endpoint", server.url]
+        process = subprocess.Popen([*command, *options, "--concurrency", "2"], env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while server.answered < 6 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert server.answered >= 6, process.communicate()[1][-2000:]
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        sent = len(server.requests)
+    finally:
+        server.close()
+    assert process.returncode == 130, err[-2000:]
+    # Whole lines only: every answer given was kept, each once, and the file ends with its line's end.
+    text = results_file.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    kept = [json.loads(line)["sentence"] for line in text.splitlines()[1:]]
+    assert len(kept) == len(set(kept)) == sent < 20, (sent, kept)
+    assert f"{len(kept)} sentences are in {results_file}" in err
+    fast = CompletionsServer(saved)
+    try:
+        code, resumed = _score(fast, model_dir, small_data, tmp_path, *options)
+        assert code == 0 and len(fast.requests) == 2 * (48 + 6) - len(kept) and resumed["resumed_sentences"] == len(kept)
+        code, whole = _score(fast, model_dir, small_data, tmp_path, "--suite", f"blimp={suite_file}")
+    finally:
+        fast.close()
+    capsys.readouterr()
+    assert code == 0
+    for key in ("pairs", "outcomes", "acc", "acc_norm", "suites"):
+        assert resumed[key] == whole[key], key
 
 
 def test_a_server_that_scores_other_token_ids_is_refused_with_a_clear_error(model, model_dir, small_data, tmp_path, capsys):
