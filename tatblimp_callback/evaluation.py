@@ -14,7 +14,7 @@ import torch
 from .engine import distributed
 from .engine.model_checks import input_device, weights_label
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
-from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, is_vllm_engine, vllm_scorer_for
+from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine, vllm_scorer_for
 from .reading.data import Benchmark
 from .reading.suites import Suite, load_suite
 from .results.metrics import Results, compute_results
@@ -282,7 +282,7 @@ def evaluate(
         model: a causal LM (``AutoModelForCausalLM``), on the device it should be scored on; with
             ``backend="vllm"`` a model folder or Hub id, or a ``vllm.LLM``.
         tokenizer: its Hugging Face tokenizer, or a ``SentencePieceTokenizer`` for a model trained on raw
-            sentencepiece ids; not needed with ``cache=``.
+            sentencepiece ids; not needed with ``cache=``, nor with a ``vllm.LLM`` (``llm.get_tokenizer()``).
         data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
@@ -303,6 +303,8 @@ def evaluate(
         print(results.acc_norm, results.phenomena["binding"].acc_norm)
         ```
     """
+    if tokenizer is None and options.get("cache") is None and is_vllm_engine(model):
+        tokenizer = engine_tokenizer(model)  # the one the engine loaded
     return Evaluator(tokenizer, data, **options)(model)
 
 

@@ -4,13 +4,20 @@ or answer from a real tiny model; the real vLLM server is in test_vllm.py. Also 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_llama
+import tatblimp_callback
+from conftest import SHARED, tiny_llama
 from tatblimp_callback.cli import main
 from tatblimp_callback.evaluation import evaluate
 
@@ -104,6 +111,116 @@ def test_the_endpoint_route_equals_the_default_backend_and_resumes_from_its_resu
         assert again["resumed_sentences"] == len(sent) and again["pairs"] == payload["pairs"]
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory):
+    """Six BLiMP pairs and one whose sentences are identical (left out, as the default backend leaves it out)."""
+    lines = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").splitlines()[:6]
+    same = json.dumps({"sentence_good": "A cat sat.", "sentence_bad": "A cat sat.", "UID": "passive_1"})
+    path = tmp_path_factory.mktemp("blimp") / "passive_1.jsonl"
+    path.write_text("\n".join([*lines[:3], same, *lines[3:]]) + "\n", encoding="utf-8")
+    return path
+
+
+def test_suites_through_the_endpoint_equal_the_default_backend_s_and_resume_from_their_own_files(
+    model_dir, bpe_tokenizer, small_data, suite_file, tmp_path, capsys
+):
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    server = CompletionsServer(saved)
+    suite = ["--suite", f"blimp={suite_file}"]
+    results_file = tmp_path / "lp.jsonl"
+    try:
+        code, payload = _score(server, model_dir, small_data, tmp_path, *suite, "--results", str(results_file))
+        assert code == 0, capsys.readouterr().err
+        reference = evaluate(saved, bpe_tokenizer, small_data, allow_modified=True, suites={"blimp": suite_file}).to_dict()
+        mine, theirs = payload["suites"]["blimp"], reference["suites"]["blimp"]
+        assert len(mine["pairs"]) == 6 and mine["left_out"] == theirs["left_out"] and len(theirs["left_out"]) == 1
+        assert set(mine) == set(theirs)
+        for key in ("outcomes", "acc", "acc_norm", "benchmark", "tokens", "bytes", "n", "ties", "partial"):
+            assert mine[key] == theirs[key], key
+        counts = [{k: (v["n"], v["acc"], v["acc_norm"]) for k, v in r["phenomena"].items()} for r in (mine, theirs)]
+        assert counts[0] == counts[1] and counts[0]["argument_structure"][0] == 6
+        values = [v for p in mine["pairs"] for v in (p["good_logprob"], p["bad_logprob"])]
+        expected = [v for p in theirs["pairs"] for v in (p["good_logprob"], p["bad_logprob"])]
+        assert max(abs(a - b) for a, b in zip(values, expected)) < 1e-4
+        assert payload["outcomes"] == reference["outcomes"]
+        assert len(server.requests) == 2 * (48 + 6) == payload["requests"]
+        suite_results = tmp_path / "lp.blimp.jsonl"  # one results file per suite, beside TatBLiMP's
+        assert len(suite_results.read_text().splitlines()) == 1 + 12
+        assert len(results_file.read_text().splitlines()) == 1 + 96
+        # A rerun reads both back; a run of the suite alone (--suites-only) takes TatBLiMP's place and asks it again.
+        code, again = _score(server, model_dir, small_data, tmp_path, *suite, "--results", str(results_file))
+        assert code == 0 and len(server.requests) == 108 and again["suites"] == payload["suites"]
+        code, alone = _score(server, model_dir, small_data, tmp_path, *suite, "--suites-only")
+        assert code == 0 and len(server.requests) == 120
+        assert alone["outcomes"] == theirs["outcomes"] and alone["left_out"] == theirs["left_out"] and "suites" not in alone
+    finally:
+        server.close()
+
+
+class SlowServer(CompletionsServer):
+    """A 0.3 s server, as a loaded one is; ``answered`` counts the replies it gave."""
+
+    def __init__(self, model):
+        self.answered = 0
+        super().__init__(model)
+
+    def answer(self, body):
+        time.sleep(0.3)
+        reply = super().answer(body)
+        with self.lock:
+            self.answered += 1
+        return reply
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_whole_lines_and_a_rerun_resumes_to_the_uninterrupted_results(
+    model_dir, small_data, suite_file, tmp_path, capsys
+):
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    results_file = tmp_path / "lp.jsonl"
+    options = ["--suite", f"blimp={suite_file}", "--results", str(results_file)]
+    argv = ["score", "--model-name", "tiny", "--tokenizer", str(model_dir), "--data", str(small_data), "--allow-modified"]
+    # A shell without job control starts background jobs with SIGINT ignored: the child puts back Python's handler.
+    start = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); from tatblimp_callback.cli import main"
+    package_root = str(Path(tatblimp_callback.__file__).parents[1])  # the package this test imported
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    server = SlowServer(saved)
+    try:
+        command = [sys.executable, "-c", f"{start}; sys.exit(main(sys.argv[1:]))", *argv, "--endpoint", server.url]
+        process = subprocess.Popen([*command, *options, "--concurrency", "2"], env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while server.answered < 6 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert server.answered >= 6, process.communicate()[1][-2000:]
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        sent = len(server.requests)
+    finally:
+        server.close()
+    assert process.returncode == 130, err[-2000:]
+    # Whole lines only: every answer given was kept, each once, and the file ends with its line's end.
+    text = results_file.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    kept = [json.loads(line)["sentence"] for line in text.splitlines()[1:]]
+    assert len(kept) == len(set(kept)) == sent < 20, (sent, kept)
+    assert f"{len(kept)} sentences are in {results_file}" in err
+    fast = CompletionsServer(saved)
+    try:
+        code, resumed = _score(fast, model_dir, small_data, tmp_path, *options)
+        assert code == 0 and len(fast.requests) == 2 * (48 + 6) - len(kept) and resumed["resumed_sentences"] == len(kept)
+        code, whole = _score(fast, model_dir, small_data, tmp_path, "--suite", f"blimp={suite_file}")
+    finally:
+        fast.close()
+    capsys.readouterr()
+    assert code == 0
+    for key in ("pairs", "outcomes", "acc", "acc_norm", "suites"):
+        assert resumed[key] == whole[key], key
 
 
 def test_a_server_that_scores_other_token_ids_is_refused_with_a_clear_error(model, model_dir, small_data, tmp_path, capsys):

@@ -163,8 +163,14 @@ if __name__ == "__main__":  # vLLM's engine process imports this file again
             report["errors"].append(f"{type(err).__name__}: {err}")
     from vllm import LLM
 
-    llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True)
+    llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True)
     report["results"] = evaluate(llm, tokenizer, data, allow_modified=True).to_dict()
+    report["engine_tokenizer"] = evaluate(llm, data=data, allow_modified=True).to_dict()  # llm.get_tokenizer()
+    llm.llm_engine.renderer.tokenizer = None  # as skip_tokenizer_init=True leaves it, without a second engine
+    try:
+        evaluate(llm, data=data, allow_modified=True)
+    except ValueError as err:
+        report["no_tokenizer"] = str(err)
     json.dump(report, open(out, "w"))
 """
 
@@ -186,6 +192,10 @@ def test_a_vllm_llm_scores_like_the_default_backend_with_an_eos_prefix_and_bad_i
     reference = evaluate(model, eos_only_tokenizer, small_data, allow_modified=True)
     assert reference.pairs[0].good_tokens > 0 and report["results"]["pairs"][0]["good_tokens"] > 0
     assert_same_scores(report["results"], reference.to_dict())
+    # No tokenizer given: the engine's own (the model folder's), the same ids, the same results to the last digit.
+    assert report["engine_tokenizer"]["pairs"] == report["results"]["pairs"]
+    assert report["engine_tokenizer"]["tokenizer"] == report["results"]["tokenizer"]
+    assert "the vllm.LLM has no tokenizer (made with skip_tokenizer_init=True); pass tokenizer=" in report["no_tokenizer"]
     expected = []
     short_model = AutoModelForCausalLM.from_pretrained(short).eval()
     for lm, options in ((short_model, {}), (short_model, {"prefix_token_id": 99999}), (model, {"prefix_token_id": 10**6})):
@@ -231,14 +241,18 @@ def vllm_server(bos_model, tmp_path_factory):
         log.close()
 
 
-def test_a_real_vllm_server_through_the_endpoint_equals_the_default_backend(vllm_server, bos_model, small_data, tmp_path, capsys):
-    options = ["--data", str(small_data), "--allow-modified", "--include-tokens"]
+def test_a_real_vllm_server_through_the_endpoint_equals_the_default_backend_with_a_suite(
+    vllm_server, bos_model, small_data, suite_file, tmp_path, capsys
+):
+    options = ["--data", str(small_data), "--allow-modified", "--include-tokens", "--suite", f"blimp={suite_file}"]
     argv = ["score", "--endpoint", vllm_server, "--model-name", "tiny", "--tokenizer", str(bos_model), *options]
     assert main([*argv, "--output", str(tmp_path / "e.json"), "--results", str(tmp_path / "e.jsonl")]) == 0
     assert main(["score", str(bos_model), *options, "--output", str(tmp_path / "t.json")]) == 0
     capsys.readouterr()
     mine, reference = (json.loads((tmp_path / name).read_text()) for name in ("e.json", "t.json"))
     assert_same_scores(mine, reference)
+    assert_same_scores(mine["suites"]["blimp"], reference["suites"]["blimp"])  # the suite in the same run
+    assert len((tmp_path / "e.blimp.jsonl").read_text().splitlines()) == 1 + 2 * 20  # its own results file
     assert mine["backend"] == "endpoint" and mine["scoring_method"] == "endpoint (echo)"  # vLLM takes max_tokens=0
     assert [p["good_tokens_text"] for p in mine["pairs"]] == [p["good_tokens_text"] for p in reference["pairs"]]
 

@@ -12,7 +12,10 @@ those of ``metrics.compute_results``.
 Requests go through ``endpoint.ChatClient``'s machinery: the official ``openai`` client with its retries
 and timeouts, ``concurrency`` requests at a time (``endpoint.send_all``), a 4xx reply stopping the run, and
 with ``results_path`` every sentence's token log-probs appended to a JSON Lines file as they arrive, so that
-an interrupted run (Ctrl-C included) is resumed by a rerun, not repeated.
+an interrupted run (Ctrl-C included) is resumed by a rerun, not repeated. More suites (``suites=``, the CLI's
+``--suite``) are scored in the same run, their sentences sharing the requests in flight with TatBLiMP's, each
+suite's log-probs kept in a results file of its own beside TatBLiMP's (``suite_results_path``), so that a
+rerun with other suites still resumes each one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from ..reading.data import Benchmark, load_benchmark
+from ..reading.suites import Suite, load_suite
 from ..results.metrics import Results, compute_results
 from ..results.provenance import provenance
 from ..results.token_results import pair_tokens
@@ -176,20 +181,25 @@ def evaluate_logprob_endpoint(
     allow_modified: bool = False,
     include_tokens: bool = False,
     progress: bool = False,
+    suites: Mapping[str, Suite | str | os.PathLike] | None = None,
 ) -> Results:
     """Score every pair through the endpoint: the same ``Results`` as ``evaluate`` gives for the same model.
 
     Args:
         client: the endpoint and model (``CompletionsClient``).
         tokenizer: the model's tokenizer (its ids are sent); a Hugging Face tokenizer or a ``SentencePieceTokenizer``.
-        data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA`` / the Hub dataset.
+        data: a ``Benchmark`` (a ``Suite`` scored alone included), a JSONL path, or None for ``$TATBLIMP_DATA`` /
+            the Hub dataset.
         prefix_token_id: the token put before every sentence (default: BOS, else EOS).
         results_path: a JSONL file every sentence's token log-probs are appended to; a rerun for the same
-            model, benchmark, tokenization and prefix asks only the sentences not in it yet.
-        concurrency: requests at once.
+            model, benchmark, tokenization and prefix asks only the sentences not in it yet. Each suite's
+            go to a file of its own beside it (``suite_results_path``: ``lp.jsonl`` -> ``lp.blimp.jsonl``).
+        concurrency: requests at once (the suites' sentences share them with TatBLiMP's).
         allow_modified: accept a benchmark file that is not the official release.
         include_tokens: also give each pair's token log-probs, texts and edit span (``Results.pair_tokens``).
         progress: a progress bar on stderr.
+        suites: more suites scored in the same run, ``{name: path or Suite}`` as ``Evaluator``'s; their
+            results are in ``results.suites[name]``, with the pairs they leave out.
 
     Raises:
         EndpointError: the server re-tokenizes, names no token ids, has no prompt log-probs, rejects the
@@ -200,27 +210,26 @@ def evaluate_logprob_endpoint(
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     benchmark = data if isinstance(data, Benchmark) else load_benchmark(data, allow_modified=allow_modified)
-    cache = build_cache(tokenizer, benchmark, prefix_token_id=prefix_token_id)
-    ids, offsets = cache.token_ids.tolist(), cache.offsets.tolist()
-    sentences = [ids[offsets[s] : offsets[s + 1]] for s in range(cache.num_sentences)]
-    header = {
-        "tatblimp_logprob_endpoint": RESULTS_FORMAT,
-        "model": client.model_name,
-        "benchmark_md5": benchmark.md5,
-        "benchmark_selection": benchmark.selection,
-        "tokenization": cache.fingerprint,  # the tokenizer, the prefix token and the data
-    }
-    found = _load_results(Path(results_path), header, sentences) if results_path else {}
-    resumed = len(found)
-    pending = [s for s in range(len(sentences)) if s not in found]
+    named = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (suites or {}).items()}
+    parts = [
+        _Part(None, benchmark, tokenizer, prefix_token_id, client.model_name, results_path),
+        *(
+            _Part(n, s, tokenizer, prefix_token_id, client.model_name, suite_results_path(results_path, n))
+            for n, s in named.items()
+        ),
+    ]
+    for part in parts:
+        part.open()
+    # One list of every part's sentences, so that all of them share the requests in flight.
+    where = [(part, s) for part in parts for s in range(len(part.sentences))]
+    sentences = [part.sentences[s] for part, s in where]
+    pending = [k for k, (part, s) in enumerate(where) if s not in part.found]
+    resumed = len(sentences) - len(pending)
     bar = progress_bar(progress, len(sentences), resumed, desc="tatblimp log-probs", unit="sentence")
-    sink = open_results(Path(results_path), header) if results_path else None
 
-    def keep(s: int, values: list[float]) -> None:
-        found[s] = values
-        if sink is not None:
-            sink.write(json.dumps({"sentence": s, "token_logprobs": values}) + "\n")
-            sink.flush()
+    def keep(k: int, values: list[float]) -> None:
+        part, s = where[k]
+        part.keep(s, values)
         if bar is not None:
             bar.update(1)
 
@@ -231,25 +240,23 @@ def evaluate_logprob_endpoint(
         failed = send_all(client.token_logprobs, sentences, pending[1:], keep, concurrency)
     except BaseException:
         if results_path:
-            logger.warning("tatblimp: stopped; %d sentences are in %s, a rerun asks only the rest", len(found), results_path)
+            kept = sum(len(part.found) for part in parts)
+            logger.warning("tatblimp: stopped; %d sentences are in %s, a rerun asks only the rest", kept, _files(parts))
         raise
     finally:
-        if sink is not None:
-            sink.close()
+        for part in parts:
+            part.close()
         if bar is not None:
             bar.close()
     if failed:
-        where = f"; the {len(found)} scored sentences are in {results_path}, rerun to ask only the rest" if results_path else ""
+        kept = sum(len(part.found) for part in parts)
+        also = f"; the {kept} scored sentences are in {_files(parts)}, rerun to ask only the rest" if results_path else ""
+        k, error = failed[0]
+        name = where[k][0].name
         raise EndpointError(
-            f"{len(failed)} of {len(sentences)} sentences failed (sentence {failed[0][0]}: {failed[0][1]}){where}"
+            f"{len(failed)} of {len(sentences)} sentences failed (sentence {where[k][1]}"
+            f"{f' of suite {name}' if name else ''}: {error}){also}"
         )
-    token_logprobs = [found[s] for s in range(len(sentences))]
-    logprobs = torch.zeros(len(sentences), dtype=torch.float64)
-    for s, values in enumerate(token_logprobs):
-        total = 0.0
-        for value in values:  # float64, in token order
-            total += value
-        logprobs[s] = total
     run_info = {
         "backend": "endpoint",
         "scoring_method": f"endpoint ({client.mode or 'resumed'})",
@@ -261,10 +268,73 @@ def evaluate_logprob_endpoint(
         "retries": client.retries,
         **provenance(),  # no local model: dtype and device are None
     }
-    results = compute_results(cache, logprobs, run_info)
-    if include_tokens:
-        results.pair_tokens = pair_tokens(cache, token_logprobs, tokenizer)
+    results = parts[0].results(run_info)
+    if isinstance(benchmark, Suite):  # a suite scored alone: its left-out pairs, as the default backend gives them
+        results.left_out = [dict(entry) for entry in benchmark.left_out]
+    if include_tokens:  # TatBLiMP's pairs only, as the default backend gives them
+        results.pair_tokens = pair_tokens(parts[0].cache, parts[0].token_logprobs(), tokenizer)
+    for part in parts[1:]:
+        results.suites[part.name] = part.results(run_info)
+        results.suites[part.name].left_out = [dict(entry) for entry in named[part.name].left_out]
     return results
+
+
+def suite_results_path(results_path: str | os.PathLike | None, name: str) -> Path | None:
+    """Where suite ``name``'s token log-probs are kept beside TatBLiMP's ``results_path`` (``lp.blimp.jsonl``)."""
+    if results_path is None:
+        return None
+    path = Path(results_path)
+    return path.with_name(f"{path.stem}.{name}{path.suffix}")
+
+
+def _files(parts: list[_Part]) -> str:
+    return ", ".join(str(part.path) for part in parts)
+
+
+class _Part:
+    """TatBLiMP's or one suite's sentences, as tokenized for the endpoint, and their results file."""
+
+    def __init__(self, name, benchmark, tokenizer, prefix_token_id, model_name, path):
+        self.name, self.path = name, Path(path) if path else None
+        self.cache = build_cache(tokenizer, benchmark, prefix_token_id=prefix_token_id)
+        ids, offsets = self.cache.token_ids.tolist(), self.cache.offsets.tolist()
+        self.sentences = [ids[offsets[s] : offsets[s + 1]] for s in range(self.cache.num_sentences)]
+        header = {
+            "tatblimp_logprob_endpoint": RESULTS_FORMAT,
+            "model": model_name,
+            "benchmark_md5": benchmark.md5,
+            "benchmark_selection": benchmark.selection,
+            "tokenization": self.cache.fingerprint,  # the tokenizer, the prefix token and the data
+        }
+        self.header, self.sink = header, None
+        self.found = _load_results(self.path, header, self.sentences) if self.path else {}
+
+    def open(self) -> None:
+        """Open the results file to append (after every part's file was read and found to fit)."""
+        if self.path:
+            self.sink = open_results(self.path, self.header)
+
+    def keep(self, s: int, values: list[float]) -> None:
+        self.found[s] = values
+        if self.sink is not None:
+            self.sink.write(json.dumps({"sentence": s, "token_logprobs": values}) + "\n")
+            self.sink.flush()
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
+    def token_logprobs(self) -> list[list[float]]:
+        return [self.found[s] for s in range(len(self.sentences))]
+
+    def results(self, run_info: dict) -> Results:
+        logprobs = torch.zeros(len(self.sentences), dtype=torch.float64)
+        for s, values in enumerate(self.token_logprobs()):
+            total = 0.0
+            for value in values:  # float64, in token order
+                total += value
+            logprobs[s] = total
+        return compute_results(self.cache, logprobs, run_info)
 
 
 def _load_results(path: Path, header: dict, sentences: list[list[int]]) -> dict[int, list[float]]:

@@ -16,6 +16,7 @@ def score_through_endpoint(args: argparse.Namespace):
 
     from ..chat.logprob_endpoint import CompletionsClient, evaluate_logprob_endpoint
     from ..reading.data import load_benchmark
+    from ..reading.suites import suites_from_args
     from .loading import load_tokenizer
 
     if not args.model_name:
@@ -28,13 +29,15 @@ def score_through_endpoint(args: argparse.Namespace):
         )
     if uses_vllm(args):
         raise ValueError("--backend vllm starts an engine in this process; an --endpoint is a server's")
-    if getattr(args, "suite", None) or getattr(args, "suites_only", False):
-        raise ValueError("--suite is not scored through --endpoint; score each suite's file with --data")
     extra_body = json.loads(args.extra_body) if args.extra_body else None
     if extra_body is not None and not isinstance(extra_body, dict):
         raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body}")
+    suites = suites_from_args(args)  # each suite's log-probs resumable from its own file beside --results
     tokenizer = load_tokenizer(args.tokenizer)
-    benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+    if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place, as without --endpoint
+        benchmark = suites.pop(next(iter(suites)))
+    else:
+        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
     client = CompletionsClient(
         args.endpoint,
         args.model_name,
@@ -53,4 +56,5 @@ def score_through_endpoint(args: argparse.Namespace):
         allow_modified=args.allow_modified,
         include_tokens=getattr(args, "include_tokens", False),
         progress=sys.stderr.isatty(),
+        suites=suites,
     )

@@ -74,6 +74,24 @@ def is_vllm_engine(model: Any) -> bool:
     return vllm is not None and isinstance(model, getattr(vllm, "LLM", ()))
 
 
+def engine_tokenizer(llm: Any) -> Any:
+    """The tokenizer a ``vllm.LLM`` loaded (``llm.get_tokenizer()``): ``evaluate(llm)``'s when none is given.
+
+    Raises:
+        ValueError: the engine has none (made with ``skip_tokenizer_init=True``).
+    """
+    try:
+        tokenizer = llm.get_tokenizer()
+    except ValueError:  # vLLM's "Tokenizer not available when `skip_tokenizer_init=True`"
+        tokenizer = None
+    if tokenizer is None:
+        raise ValueError(
+            "evaluate(llm) without a tokenizer: the vllm.LLM has no tokenizer (made with skip_tokenizer_init=True); "
+            "pass tokenizer=, the model's tokenizer whose ids are scored"
+        )
+    return tokenizer
+
+
 def import_vllm():
     # Set before vLLM reads them, at its import: stdout is for the tables and JSON, and vLLM's start-up log is long.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
