@@ -1,9 +1,10 @@
 """A real ``lightning.Trainer`` run on the CPU with ``TatBLiMPLightningCallback``, for ``test_lightning.py``.
 
-    python lightning_worker.py WORKDIR DEVICES
+    python lightning_worker.py WORKDIR DEVICES [fsdp2]
 
 WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test. With DEVICES 2 the Trainer runs DDP (gloo),
-and Lightning starts this script again for rank 1. The run logs to a CSV, a TensorBoard and an offline
+and Lightning starts this script again for rank 1; with ``fsdp2`` it runs Lightning's ``ModelParallelStrategy``
+and the module shards itself with ``fully_shard`` (each decoder layer, then the LightningModule as the root). The run logs to a CSV, a TensorBoard and an offline
 wandb logger; each rank writes ``rank{r}.pt``: the callback's history, the weights at every step it
 scored (taken just before it, by a callback listed first), whether the random generators and the
 train mode were as before after each of the callback's events, and (rank 0) the wandb run folder.
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,6 +47,32 @@ class TinyLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class ShardedLM(TinyLM):
+    """FSDP2 as Lightning's docs show it, the LightningModule itself the root unit: its forward (which
+    ``training_step`` calls) gathers the parameters outside the layers (embeddings, norm, head)."""
+
+    def forward(self, batch):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def training_step(self, batch, batch_idx):
+        return self(batch)
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights on every rank (``full_tensor`` of sharded ones: a collective every rank calls)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in module.state_dict().items()}
+
+
 def rng_states():
     return (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state())
 
@@ -59,7 +87,7 @@ class Around(L.Callback):
         if self.before:
             self.record["rng"] = rng_states()
             if trainer.global_step % EVERY == 0 or trainer.global_step == MAX_STEPS:
-                self.record["weights"][trainer.global_step] = {k: v.clone() for k, v in pl_module.model.state_dict().items()}
+                self.record["weights"][trainer.global_step] = full_state(pl_module.model)
         else:
             python, numpy, torch_state = rng_states()
             same = (
@@ -91,7 +119,7 @@ def noisy_scoring() -> None:
     evaluation.Evaluator.__call__ = noisy
 
 
-def main(workdir: Path, devices: int) -> None:
+def main(workdir: Path, devices: int, fsdp2: bool = False) -> None:
     noisy_scoring()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(workdir / "tokenizer")
     blocks = torch.tensor([block["input_ids"] for block in corpus_blocks(tokenizer, lines=120)])
@@ -106,7 +134,11 @@ def main(workdir: Path, devices: int) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+        if fsdp2
+        else "ddp"
+        if devices > 1
+        else "auto",
         max_steps=MAX_STEPS,
         default_root_dir=str(workdir / "root"),
         logger=[
@@ -118,7 +150,7 @@ def main(workdir: Path, devices: int) -> None:
         enable_progress_bar=False,
         log_every_n_steps=1,
     )
-    module = TinyLM(len(tokenizer))
+    module = (ShardedLM if fsdp2 else TinyLM)(len(tokenizer))
     trainer.fit(module, DataLoader(blocks, batch_size=4))
     rank = trainer.global_rank
     out = {
@@ -127,7 +159,7 @@ def main(workdir: Path, devices: int) -> None:
         "weights": record["weights"],
         "rng_same": record["rng_same"],
         "train_mode": record["train_mode"],
-        "final_weights": {k: v.clone() for k, v in module.model.state_dict().items()},
+        "final_weights": full_state(module.model),
         "best": (Path(best.best_model_path).name, best.best_model_score.item()),
     }
     if rank == 0:
@@ -138,4 +170,4 @@ def main(workdir: Path, devices: int) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] == ["fsdp2"])

@@ -33,12 +33,12 @@ WORKER = Path(__file__).with_name("lightning_worker.py")
 STEPS = [0, 2, 4, 5]  # eval_every_n_steps=2 over max_steps=5: the start, every 2, the last
 
 
-def run_worker(tmp_path: Path, tokenizer, small_data, devices: int) -> list[dict]:
+def run_worker(tmp_path: Path, tokenizer, small_data, devices: int, *options: str) -> list[dict]:
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     shutil.copy(small_data, tmp_path / "small.jsonl")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), str(devices)],
+        [sys.executable, str(WORKER), str(tmp_path), str(devices), *options],
         capture_output=True,
         text=True,
         timeout=300,
@@ -117,6 +117,16 @@ def test_one_process_logs_every_point_once_to_csv_tensorboard_and_wandb(tmp_path
 def test_ddp_two_processes_score_sharded_and_rank_zero_logs(tmp_path, bpe_tokenizer, small_data):
     ranks = run_worker(tmp_path, bpe_tokenizer, small_data, devices=2)
     assert len(ranks) == 2
+    check_run(tmp_path, ranks, bpe_tokenizer, small_data)
+
+
+@pytest.mark.slow
+def test_fsdp2_the_module_as_root_scores_its_gathered_weights_in_lockstep(tmp_path, bpe_tokenizer, small_data):
+    """``ModelParallelStrategy`` with ``fully_shard`` on each layer and on the LightningModule itself: the
+    callback gathers the root unit's parameters (which only the module's own forward would), every rank runs
+    every forward, rank 0 logs each point once, with the values a fresh one-process evaluation of the full
+    weights of that step gives."""
+    ranks = run_worker(tmp_path, bpe_tokenizer, small_data, 2, "fsdp2")
     check_run(tmp_path, ranks, bpe_tokenizer, small_data)
 
 
