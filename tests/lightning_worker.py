@@ -33,6 +33,7 @@ from trainer_utils import corpus_blocks
 
 EVERY = 2
 MAX_STEPS = 5  # scored at 0, 2, 4 and the last, 5
+FAIL_STEP = 4  # under fsdp2, the evaluation of this step fails on rank 1 only, before any scoring
 
 
 class TinyLM(L.LightningModule):
@@ -85,6 +86,7 @@ class Around(L.Callback):
 
     def _check(self, trainer, pl_module):
         if self.before:
+            self.record["step"] = trainer.global_step
             self.record["rng"] = rng_states()
             if trainer.global_step % EVERY == 0 or trainer.global_step == MAX_STEPS:
                 self.record["weights"][trainer.global_step] = full_state(pl_module.model)
@@ -119,11 +121,28 @@ def noisy_scoring() -> None:
     evaluation.Evaluator.__call__ = noisy
 
 
+def failing_on_rank_1(record: dict) -> None:
+    """Make the evaluation at ``FAIL_STEP`` fail on rank 1 alone, while preparing (before any forward):
+    rank 0 must stop the same evaluation (the engine's check-in) rather than wait in a sharded forward."""
+    from tatblimp_callback import evaluation
+
+    prepare = evaluation.Evaluator.prepare
+
+    def failing(self, model):
+        if torch.distributed.get_rank() == 1 and record.get("step") == FAIL_STEP:
+            raise RuntimeError("injected failure on rank 1")
+        return prepare(self, model)
+
+    evaluation.Evaluator.prepare = failing
+
+
 def main(workdir: Path, devices: int, fsdp2: bool = False) -> None:
     noisy_scoring()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(workdir / "tokenizer")
     blocks = torch.tensor([block["input_ids"] for block in corpus_blocks(tokenizer, lines=120)])
     record = {"weights": {}, "rng_same": [], "train_mode": []}
+    if fsdp2:
+        failing_on_rank_1(record)
     callback = TatBLiMPLightningCallback(
         tokenizer=tokenizer, data=workdir / "small.jsonl", allow_modified=True, eval_every_n_steps=EVERY
     )
