@@ -266,6 +266,9 @@ def _root_unsharded(pl_module, model: torch.nn.Module) -> Iterator[None]:
     are gathered by the root's own forward only, which scoring ``model`` never calls. ``unshard`` is an
     all-gather: every rank runs it, as every rank scores; the inner units gather their own, in lockstep.
     """
+    if not torch.distributed.is_available():
+        yield
+        return
     from torch.distributed.fsdp import FSDPModule
 
     if model is pl_module or not isinstance(pl_module, FSDPModule):
