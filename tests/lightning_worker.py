@@ -1,10 +1,11 @@
 """A real ``lightning.Trainer`` run on the CPU with ``TatBLiMPLightningCallback``, for ``test_lightning.py``.
 
-    python lightning_worker.py WORKDIR DEVICES [fsdp2]
+    python lightning_worker.py WORKDIR DEVICES [fsdp2-module | fsdp2-model]
 
 WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test. With DEVICES 2 the Trainer runs DDP (gloo),
-and Lightning starts this script again for rank 1; with ``fsdp2`` it runs Lightning's ``ModelParallelStrategy``
-and the module shards itself with ``fully_shard`` (each decoder layer, then the LightningModule as the root). The run logs to a CSV, a TensorBoard and an offline
+and Lightning starts this script again for rank 1; with ``fsdp2-...`` it runs Lightning's ``ModelParallelStrategy``
+and the module shards itself with ``fully_shard``: each decoder layer, then as the root unit the LightningModule
+(``fsdp2-module``) or its transformers model (``fsdp2-model``). The run logs to a CSV, a TensorBoard and an offline
 wandb logger; each rank writes ``rank{r}.pt``: the callback's history, the weights at every step it
 scored (taken just before it, by a callback listed first), whether the random generators and the
 train mode were as before after each of the callback's events, and (rank 0) the wandb run folder.
@@ -49,8 +50,11 @@ class TinyLM(L.LightningModule):
 
 
 class ShardedLM(TinyLM):
-    """FSDP2 as Lightning's docs show it, the LightningModule itself the root unit: its forward (which
-    ``training_step`` calls) gathers the parameters outside the layers (embeddings, norm, head)."""
+    """FSDP2 with the LightningModule itself the root unit (``ROOT`` "module"): its forward, which
+    ``training_step`` calls, gathers the parameters outside the layers (embeddings, norm, head); or with
+    the transformers model the root ("model"), whose own forward gathers them."""
+
+    ROOT = "module"
 
     def forward(self, batch):
         return self.model(input_ids=batch, labels=batch).loss
@@ -64,7 +68,7 @@ class ShardedLM(TinyLM):
         mesh = self.device_mesh["data_parallel"]
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+        fully_shard(self if self.ROOT == "module" else self.model, mesh=mesh)
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -136,7 +140,7 @@ def failing_on_rank_1(record: dict) -> None:
     evaluation.Evaluator.prepare = failing
 
 
-def main(workdir: Path, devices: int, fsdp2: bool = False) -> None:
+def main(workdir: Path, devices: int, fsdp2: str | None = None) -> None:
     noisy_scoring()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(workdir / "tokenizer")
     blocks = torch.tensor([block["input_ids"] for block in corpus_blocks(tokenizer, lines=120)])
@@ -169,6 +173,7 @@ def main(workdir: Path, devices: int, fsdp2: bool = False) -> None:
         enable_progress_bar=False,
         log_every_n_steps=1,
     )
+    ShardedLM.ROOT = fsdp2
     module = (ShardedLM if fsdp2 else TinyLM)(len(tokenizer))
     trainer.fit(module, DataLoader(blocks, batch_size=4))
     rank = trainer.global_rank
@@ -189,4 +194,4 @@ def main(workdir: Path, devices: int, fsdp2: bool = False) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] == ["fsdp2"])
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].removeprefix("fsdp2-") if sys.argv[3:] else None)

@@ -123,13 +123,15 @@ def test_ddp_two_processes_score_sharded_and_rank_zero_logs(tmp_path, bpe_tokeni
 
 
 @pytest.mark.slow
-def test_fsdp2_the_module_as_root_scores_its_gathered_weights_in_lockstep(tmp_path, bpe_tokenizer, small_data):
-    """``ModelParallelStrategy`` with ``fully_shard`` on each layer and on the LightningModule itself: the
-    callback gathers the root unit's parameters (which only the module's own forward would), every rank runs
+@pytest.mark.parametrize("root", ["module", "model"])
+def test_fsdp2_scores_the_full_weights_in_lockstep_and_rank_zero_logs(tmp_path, bpe_tokenizer, small_data, root):
+    """``ModelParallelStrategy`` with ``fully_shard`` on each layer and on the LightningModule itself (the
+    callback gathers the root unit's parameters, which only the module's own forward would) or on its
+    transformers model (whose forward gathers them) as the root unit: every rank runs
     every forward, rank 0 logs each point once, with the values a fresh one-process evaluation of the full
     weights of that step gives. The evaluation of step 4 fails on rank 1 only (before any forward): both
     ranks stop it and count it, no rank waits in a sharded forward, and training goes on to the last step."""
-    ranks = run_worker(tmp_path, bpe_tokenizer, small_data, 2, "fsdp2")
+    ranks = run_worker(tmp_path, bpe_tokenizer, small_data, 2, f"fsdp2-{root}")
     check_run(tmp_path, ranks, bpe_tokenizer, small_data, steps=[0, 2, 5], failures=1)
 
 
