@@ -14,8 +14,10 @@ tatblimp-callback[lightning]``); import it from ``tatblimp_callback.lightning``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,7 +224,8 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
             if trainer.is_global_zero:
                 self._log(trainer, step, metrics, results)
 
-        metrics = self._monitor.score(model, trainer.global_step, publish)
+        with _root_unsharded(pl_module, model):
+            metrics = self._monitor.score(model, trainer.global_step, publish)
         expose(trainer, metrics)  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
         return metrics
 
@@ -232,6 +235,34 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
             self._monitor.guarded(each.log_metrics, dict(metrics), step)
         self._monitor.write_history(step, results)
         self._monitor.console(step, metrics, results)
+
+
+@contextlib.contextmanager
+def _root_unsharded(pl_module, model: torch.nn.Module) -> Iterator[None]:
+    """The root unit's parameters gathered while ``model`` is scored, when the LightningModule itself is the
+    FSDP2 root (``fully_shard(self)`` in ``configure_model``) and ``model`` is inside it.
+
+    The parameters of the root unit (those outside every inner ``fully_shard``: embeddings, final norm, head)
+    are gathered by the root's own forward only, which scoring ``model`` never calls. ``unshard`` is an
+    all-gather: every rank runs it, as every rank scores; the inner units gather their own, in lockstep.
+    """
+    if not torch.distributed.is_available():
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if model is pl_module or not isinstance(pl_module, FSDPModule):
+        yield
+        return
+    # FSDP2 takes the first module whose forward runs for the root: at step 0 that would be the first inner
+    # layer, and training's own forward through the module would fail. Make the module the root first (a
+    # private call: FSDP2 has no public one; a no-op once its forward has run).
+    pl_module._get_fsdp_state()._lazy_init()
+    pl_module.unshard()
+    try:
+        yield
+    finally:
+        pl_module.reshard()
 
 
 def _ends_training(trainer) -> bool:
