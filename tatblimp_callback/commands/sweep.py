@@ -14,7 +14,6 @@ written to ``RUN_DIR/tatblimp-failures.jsonl`` and left for the next run; the ot
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -23,16 +22,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..reading.jsonl import read_complete_lines
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
-from ..results.records_file import append_record
 from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .loading import add_model_arguments
 from .outputs import say
 from .placement import placement_options
+from .sweep_records import append_sweep_record, check_same_files, read_records
 
 if TYPE_CHECKING:  # torch.distributed comes with it: imported when a sweep runs, not for `tatblimp sweep --help`
     from .sweep_processes import SweepProcesses
@@ -156,28 +154,6 @@ class SweepReport:
     interrupted: bool = False
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The lines of a sweep results file (empty if it does not exist)."""
-    if not path.exists():
-        return []
-    records = []
-    for number, line in enumerate(read_complete_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SweepError(f"{path}:{number}: not a JSON line ({err.msg}); fix or remove the line") from None
-        if not isinstance(record, dict) or "checkpoint" not in record or "step" not in record:
-            raise SweepError(f"{path}:{number}: not a sweep record (needs 'checkpoint' and 'step')")
-        records.append(record)
-    return records
-
-
-def _append_record(path: Path, record: dict[str, Any]) -> None:
-    append_record(path, record, sync=True)
-
-
 class _WandbLogger:
     def __init__(self, options: SweepOptions, run_dir: Path):
         import wandb
@@ -250,53 +226,6 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     return report
 
 
-def check_same_files(records: list[dict[str, Any]], benchmark: Any, suites: dict[str, Any], path: Path) -> None:
-    """Refuse to append records scored on other pairs than ``benchmark``'s and ``suites``' to ``path``'s records.
-
-    A results file holds one benchmark and one set of suites, each known by its fingerprint
-    (``identity.fingerprint``: the bytes, the column mapping and the selection): a suite of the same name
-    read from edited files, or the same files read with another ``--columns``, would otherwise mix two
-    suites in one curve. Records written before fingerprints are compared by md5.
-
-    Raises:
-        SweepError: a record of ``path`` was scored on other TatBLiMP pairs, or on other suites (by name or fingerprint).
-    """
-    asked = {name: _identity(suite) for name, suite in suites.items()}
-    ours = _identity(benchmark)
-    for record in records:
-        theirs = {name: _identity(suite.get("benchmark", {})) for name, suite in record.get("suites", {}).items()}
-        if not _same(_identity(record.get("benchmark", {})), ours):
-            raise SweepError(
-                f"{path}: {record['checkpoint']} was scored on {_describe(_identity(record['benchmark']))}, "
-                f"this sweep reads {benchmark.source} ({_describe(ours)}); one results file holds one benchmark: "
-                "pass the same --data, or move the file away to start anew"
-            )
-        if theirs.keys() != asked.keys() or not all(_same(theirs[name], asked[name]) for name in asked):
-            had = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(theirs.items())) or "no suites"
-            wanted = ", ".join(f"{name} ({_describe(identity)})" for name, identity in sorted(asked.items())) or "no suites"
-            raise SweepError(
-                f"{path}: {record['checkpoint']} was scored with {had}, this sweep asks for {wanted}; "
-                "one results file holds one set of suites: pass the same --suite and --columns options and files, "
-                "or move the file away to start anew"
-            )
-
-
-def _identity(what: Any) -> tuple[str | None, str | None]:
-    """(md5, fingerprint) of a ``Benchmark`` or of a record's ``benchmark`` dict (fingerprint None in older records)."""
-    if isinstance(what, dict):
-        return what.get("md5"), what.get("fingerprint")
-    return what.md5, what.fingerprint
-
-
-def _same(theirs: tuple[str | None, str | None], ours: tuple[str | None, str | None]) -> bool:
-    return theirs == ours if theirs[1] is not None else theirs[0] in (None, ours[0])
-
-
-def _describe(identity: tuple[str | None, str | None]) -> str:
-    md5, fingerprint = identity
-    return f"md5 {md5}, fingerprint {fingerprint}" if fingerprint else f"md5 {md5}"
-
-
 def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
     from tqdm.auto import tqdm
 
@@ -340,7 +269,7 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                     if kind == "stop":  # written after the round's other checkpoints, then every process stops
                         stop = stop or value["error"]
                     elif kind == "scored":
-                        _append_record(results_path, value)
+                        append_sweep_record(results_path, value)
                         records.append(value)
                         done.add(checkpoint.name)
                         report.scored.append(checkpoint.name)
@@ -350,7 +279,9 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                             f"step {value['step']:>8}  acc {value['acc']:.4f}  acc_norm {value['acc_norm']:.4f}  ({checkpoint.name})"
                         )
                     elif kind == "failed":
-                        _append_record(run_dir / FAILURES_FILE, {"step": checkpoint.step, "checkpoint": checkpoint.name, **value})
+                        append_sweep_record(
+                            run_dir / FAILURES_FILE, {"step": checkpoint.step, "checkpoint": checkpoint.name, **value}
+                        )
                         done.add(checkpoint.name)  # not again in this run; the next run tries it again
                         report.failed[checkpoint.name] = value["error"]
                         bar.write(f"step {checkpoint.step:>8}  FAILED: {value['error']}  ({checkpoint.name})")
