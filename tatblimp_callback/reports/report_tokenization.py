@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ..commands.tokenizers import COLUMNS, load_light_tokenizer, tokenizer_figures
-from ..results.edit_outcomes import runs_by_edit
+from ..results.edit_outcomes import runs_by_edit, split_rows
 from ..results.runs import Run
 from ..results.scored_pairs import scored_benchmark
-from ..results.stats import METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +53,6 @@ def _figure_rows(figures: Mapping[str, Any]) -> list[list[str]]:
     return [[name, str(row["n"]), *(f.format(row[k]) for _, k, f in COLUMNS)] for name, row in rows]
 
 
-def _cell(group: Mapping[str, Any]) -> str:
-    if not group["n"]:
-        return "- (0)"
-    return f"{group['acc']:.3f} [{group['ci'][0]:.3f}, {group['ci'][1]:.3f}] ({group['n']})"
-
-
 def tokenization_sections(runs: Sequence[Run], data: str | os.PathLike | None = None) -> list[str]:
     """The two sections' HTML (nothing for runs without tokenizer facts)."""
     body = []
@@ -85,13 +78,7 @@ def tokenization_sections(runs: Sequence[Run], data: str | os.PathLike | None = 
         for label, data_of_run in by_edit.items():
             for split, split_data in data_of_run["splits"].items():
                 inside, outside = split_data["groups"]
-                rows = []
-                for metric in METRICS:
-                    groups = {"overall": split_data[metric]["overall"], **split_data[metric]["phenomena"]}
-                    for name, row in groups.items():
-                        difference = "-" if row["difference"] is None else f"{row['difference']:+.3f}"
-                        p_value = "-" if row["p_value"] is None else f"{row['p_value']:.3g}"
-                        rows.append([name, metric, _cell(row["in"]), _cell(row["out"]), difference, p_value])
+                rows = split_rows(split_data)
                 body.append(f"<h3>{escape(label)}: by {escape(split)}</h3>")
                 body.append(_table(["group", "metric", inside, outside, "difference", "p (Fisher)"], rows, f"by-{split}"))
             acquisition = data_of_run["acquisition"]

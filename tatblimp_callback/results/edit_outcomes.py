@@ -24,7 +24,15 @@ from typing import Any
 from .curves import DEFAULT_THRESHOLD, acquisition_step
 from .stats import METRICS, OUTCOME_NOT_FINITE, OUTCOME_PASS, Outcomes, wilson_interval
 
-__all__ = ["MIN_GROUP", "format_edit_splits", "split_acquisition", "split_by_edit"]
+__all__ = [
+    "MIN_GROUP",
+    "format_edit_splits",
+    "format_runs_by_edit",
+    "runs_by_edit",
+    "split_acquisition",
+    "split_by_edit",
+    "split_rows",
+]
 
 MIN_GROUP = 5
 SPLITS = {  # split name -> (label of the group, label of the rest, does pair i belong to the group)
@@ -118,6 +126,18 @@ def _cell(group: Mapping[str, Any]) -> str:
     return f"{group['acc']:.3f} [{low:.3f}, {high:.3f}] ({group['n']})"
 
 
+def split_rows(data: Mapping[str, Any], phenomena: bool = True) -> list[list[str]]:
+    """One split's rows for a table: group, metric, each side's accuracy [95% CI] (n), the difference, Fisher's p."""
+    rows = []
+    for metric in METRICS:
+        groups = {"overall": data[metric]["overall"], **(data[metric]["phenomena"] if phenomena else {})}
+        for name, row in groups.items():
+            difference = "-" if row["difference"] is None else f"{row['difference']:+.3f}"
+            p_value = "-" if row["p_value"] is None else f"{row['p_value']:.3g}"
+            rows.append([name, metric, _cell(row["in"]), _cell(row["out"]), difference, p_value])
+    return rows
+
+
 def format_edit_splits(label: str, splits: Mapping[str, Any], phenomena: bool = True) -> str:
     """A Markdown table per split of one run: each group's accuracy [95% CI] (n), the difference and Fisher's p."""
     out = []
@@ -125,12 +145,7 @@ def format_edit_splits(label: str, splits: Mapping[str, Any], phenomena: bool = 
         inside, outside = data["groups"]
         out += [f"#### {label}: acc and acc_norm by {split} ({inside} / {outside})", ""]
         out += [f"| group | metric | {inside} | {outside} | difference | p (Fisher) |", "|---|---|---|---|---|---|"]
-        for metric in METRICS:
-            rows = {"overall": data[metric]["overall"], **(data[metric]["phenomena"] if phenomena else {})}
-            for name, row in rows.items():
-                difference = "-" if row["difference"] is None else f"{row['difference']:+.3f}"
-                p_value = "-" if row["p_value"] is None else f"{row['p_value']:.3g}"
-                out.append(f"| {name} | {metric} | {_cell(row['in'])} | {_cell(row['out'])} | {difference} | {p_value} |")
+        out += ["| " + " | ".join(row) + " |" for row in split_rows(data, phenomena)]
         out.append("")
     return "\n".join(out)
 
