@@ -13,6 +13,7 @@ import torch
 from conftest import DATA, SPM_MODEL, tiny_llama, train_bpe
 from tatblimp_callback.evaluation import Evaluator
 from tatblimp_callback.reading.data import load_benchmark
+from tatblimp_callback.reading.edit import find_edit
 from tatblimp_callback.tokenized.tokenization import SentencePieceTokenizer
 from test_tokenizers_command import hf_raw_tokens, sentencepiece_raw_tokens, train_wordpiece
 
@@ -126,3 +127,29 @@ def test_the_correction_matters_for_leading_space_tokens(tokenizers, pairs):
     i, j = record.critical_region_tokens["good"]
     plain = -sum(record.good_token_logprobs[i:j]) / math.log(2)
     assert abs(record.critical_region_bits["good"] - plain) > 0.01
+
+
+def test_end_of_word_marks_need_no_correction(pairs):
+    """A BPE whose word-final tokens carry ``</w>``: a word's tokens say where it ends, so the region's surprisal is
+    the sum of its tokens' surprisals, the tokens being those that cover the region's characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.BPEDecoder(suffix="</w>")
+    text = [s for p in load_benchmark(DATA).pairs[::2] for s in (p.good, p.bad)]
+    backend.train_from_iterator(
+        text, trainers.BpeTrainer(vocab_size=700, end_of_word_suffix="</w>", special_tokens=["<unk>", "<s>"])
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", unk_token="<unk>")
+    model = tiny_llama(len(tokenizer), seed=2)
+    results = Evaluator(tokenizer, pairs, include_tokens=True, allow_modified=True)(model)
+    for pair, record in zip(pairs.pairs, results.pair_tokens):
+        assert record.critical_region_bits["word_marks"] == "end"
+        offsets = tokenizer(pair.good, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        region = record.critical_region_tokens["good"]
+        start, end = find_edit(pair.good, pair.bad).good_region
+        assert (offsets[region[0]][0], offsets[region[1] - 1][1]) == (start, end)  # the words, whole
+        plain = -sum(record.good_token_logprobs[slice(*region)]) / math.log(2)
+        assert record.critical_region_bits["good"] == pytest.approx(plain, abs=1e-4)  # the scorer's float32 sums

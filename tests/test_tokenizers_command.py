@@ -220,3 +220,23 @@ def test_the_command_imports_no_torch_and_prints_a_table(tokenizer_folders):
 def test_a_missing_tokenizer_is_named(tmp_path, capsys):
     assert main(["tokenizers", str(tmp_path / "nope.model"), "--data", str(DATA)]) == 1
     assert "nope.model: no such SentencePiece model file" in capsys.readouterr().err
+
+
+def test_a_suite_gets_its_own_figures(tmp_path, records):
+    """``--suite``: BLiMP's pairs measured as TatBLiMP's (the edit of "was" / "were" is a whole word)."""
+    from conftest import SHARED
+
+    suite = tmp_path / "blimp"
+    suite.mkdir()
+    lines = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").splitlines()[:40]
+    (suite / "passive_1.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "figures.json"
+    argv = ["tokenizers", str(SPM_MODEL), "--data", str(DATA), "--suite", f"blimp={suite}", "--output", str(out)]
+    assert main([*argv, "--include-pairs"]) == 0
+    suites = json.loads(out.read_text(encoding="utf-8"))["suites"]
+    assert list(suites) == ["tatblimp", "blimp"] and suites["blimp"][0]["n"] == 40
+    first = json.loads(lines[0])
+    pair = suites["blimp"][0]["pairs"][0]
+    assert pair["critical_region"]["good_text"] in first["sentence_good"].split()
+    assert main([*argv, "--suites-only"]) == 0
+    assert list(json.loads(out.read_text(encoding="utf-8"))["suites"]) == ["blimp"]
