@@ -240,3 +240,24 @@ def test_a_suite_gets_its_own_figures(tmp_path, records):
     assert pair["critical_region"]["good_text"] in first["sentence_good"].split()
     assert main([*argv, "--suites-only"]) == 0
     assert list(json.loads(out.read_text(encoding="utf-8"))["suites"]) == ["blimp"]
+
+
+def test_byte_fallback_pieces_are_flagged_at_the_edit():
+    """The raw SentencePiece model spells an unseen character in byte pieces: flagged, and spanning its character."""
+    from tatblimp_callback.tokenized.edit_tokens import edit_tokens_of_pairs, token_spans
+    from tatblimp_callback.tokenized.tokenization import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(SPM_MODEL)
+    good, bad = "Мин китап укыйм.", "Мин ♞ укыйм."
+    spans = token_spans(tokenizer, [bad])[0]
+    byte_pieces = [k for k, piece in enumerate(spans.pieces) if piece.startswith("<0x")]
+    assert len(byte_pieces) == 3 and all(spans.flagged[k] for k in byte_pieces)
+    assert [spans.spans[k] for k in byte_pieces] == [(4, 4), (4, 4), (4, 5)]  # the last completes "♞"
+
+    class Pair:
+        phenomenon = "x"
+
+    pair = Pair()
+    pair.good, pair.bad = good, bad
+    (facts,) = edit_tokens_of_pairs(tokenizer, [pair])
+    assert facts.flagged_at_edit == 3 and facts.aligned

@@ -4,7 +4,8 @@ Each sentence is tokenized as it is scored (``tokenization.encode_plain``: no sp
 not counted), and each token gets its character span from the tokenizer itself: the offset mapping of a
 Hugging Face fast tokenizer (or of a ``JsonTokenizer``), and for a raw SentencePiece model the spans its
 encoder reports (``SentencePieceText`` pieces, bytes turned into characters). Whitespace is trimmed off
-each span, so that ``Ġкитап`` and ``▁китап`` cover ``китап``: whitespace belongs to no token. A byte-level
+each span, so that ``Ġкитап`` and ``▁китап`` cover ``китап``: whitespace belongs to no token (a token of
+whitespace alone, SentencePiece's lone ``▁``, has the empty span where the next character starts). A byte-level
 token that holds part of a character covers the whole character; a SentencePiece byte-fallback piece
 that does not complete its character covers nothing (an empty span where the character starts).
 
@@ -76,9 +77,10 @@ def token_spans(tokenizer: Any, sentences: Sequence[str]) -> list[TokenSpans]:
     for text, (ids, offsets, pieces) in zip(sentences, raw):
         keep = slice(1 if ids and ids[0] in special else 0, len(ids) - 1 if len(ids) > 1 and ids[-1] in special else len(ids))
         ids, offsets, pieces = list(ids)[keep], list(offsets)[keep], list(pieces)[keep]
-        flags = [i == unknown or bool(BYTE_PIECE.fullmatch(p)) for i, p in zip(ids, pieces)]
         if hasattr(tokenizer, "processor"):
             flags = [tokenizer.processor.is_unknown(i) or tokenizer.processor.is_byte(i) for i in ids]
+        else:
+            flags = [i == unknown or bool(BYTE_PIECE.fullmatch(p)) for i, p in zip(ids, pieces)]
         result.append(TokenSpans(list(ids), [_trim(text, *span) for span in offsets], list(pieces), flags))
     return result
 
