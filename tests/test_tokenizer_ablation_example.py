@@ -18,7 +18,7 @@ from conftest import CORPUS, DATA, REPO
 def test_the_example_writes_the_outcomes_split_by_alignment(tmp_path):
     out = tmp_path / "ablation"
     command = [sys.executable, str(REPO / "examples" / "tokenizer_ablation.py"), "--corpus", str(CORPUS), "--data", str(DATA)]
-    command += ["--output-dir", str(out), "--vocab-sizes", "400,800", "--lines", "1500", "--steps", "4", "--save-steps", "2"]
+    command += ["--output-dir", str(out), "--vocab-sizes", "300,600", "--lines", "800", "--steps", "2", "--save-steps", "1"]
     command += ["--hidden", "32", "--batch-size", "4", "--block-size", "64", "--threads", "1"]
     completed = subprocess.run(
         command, capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
@@ -26,7 +26,7 @@ def test_the_example_writes_the_outcomes_split_by_alignment(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     by_edit = (out / "by_edit.md").read_text(encoding="utf-8")
     assert "How each vocabulary cuts the edit" in by_edit and by_edit.count("overall ") >= 2
-    for vocab in (400, 800):
+    for vocab in (300, 600):
         record = json.loads((out / f"vocab-{vocab}" / "tatblimp.jsonl").read_text(encoding="utf-8").splitlines()[-1])
         aligned = record["edit_tokens"]["aligned"]
         outcomes = record["outcomes"]["acc_norm"]

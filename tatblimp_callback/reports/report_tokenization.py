@@ -68,7 +68,10 @@ def tokenization_sections(runs: Sequence[Run], data: str | os.PathLike | None = 
         for name, one in figures.items():
             body.append(f"<h3>{escape(name)} ({one['vocabulary']:,} tokens)</h3>")
             body.append(_table(["phenomenon", "n", *(h for h, _, _ in COLUMNS)], _figure_rows(one), "tokenizer-figures"))
-    by_edit = runs_by_edit(runs)
+    try:
+        by_edit = runs_by_edit(runs)
+    except ValueError as err:  # a record whose edit marks do not match its outcomes: said, and the report written
+        return [*body, f'<p class="meta">Outcomes not split by the edit: {escape(str(err))}</p>']
     if by_edit:
         body.append("<h2>Outcomes by how the tokenizer cut the edit</h2>")
         body.append(
