@@ -94,8 +94,8 @@ def add_region_surprisal(records: Sequence, lm: torch.nn.Module, cache, tokenize
     """
     try:
         marks = word_marking(tokenizer)
-        spans = token_spans(tokenizer, cache.sentences)
         sequences = [cache.sentence(s) for s in range(cache.num_sentences)]
+        spans = token_spans(tokenizer, cache.sentences, [sequence[1:] for sequence in sequences])
         regions: list[tuple[int, int] | None] = []
         for pair in range(cache.num_pairs):
             edit = find_edit(cache.sentences[2 * pair], cache.sentences[2 * pair + 1])

@@ -227,17 +227,18 @@ def build_cache(
         tokenizer_name=tokenizer_name(tokenizer),
         fingerprint=fingerprint,
         same_token_pairs=same,
-        edit_aligned=alignment_or_none(tokenizer, benchmark),
+        edit_aligned=alignment_or_none(tokenizer, benchmark, [ids[1:] for ids in encoded]),
     )
     if cache_path is not None:
         save_or_warn(cache, cache_path)
     return cache.to(device)
 
 
-def alignment_or_none(tokenizer: Any, benchmark: Benchmark) -> str:
-    """``edit_alignment`` of the benchmark's pairs; "" for a tokenizer that gives no character offsets."""
+def alignment_or_none(tokenizer: Any, benchmark: Benchmark, expected: list[list[int]]) -> str:
+    """``edit_alignment`` of the benchmark's pairs (``expected``: their ids as cached, prefix token off); "" for a
+    tokenizer that gives no character offsets."""
     try:
-        return edit_alignment(tokenizer, benchmark.pairs)
+        return edit_alignment(tokenizer, benchmark.pairs, expected)
     except Exception as err:  # a slow tokenizer, a custom one: the scores do not need it
         logger.info("tatblimp: no edit alignment for %s (%s)", tokenizer_name(tokenizer), err)
         return ""

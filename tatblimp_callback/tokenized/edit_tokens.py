@@ -57,10 +57,13 @@ class TokenSpans:
         return [i for i, (s, e) in enumerate(self.spans) if ((s < b and a < e) if s < e else a <= s < b)]
 
 
-def token_spans(tokenizer: Any, sentences: Sequence[str]) -> list[TokenSpans]:
-    """Each sentence's scored tokens with their character spans; the ids are ``encode_plain``'s."""
-    special = inserted_special_ids(tokenizer)
-    unknown = getattr(tokenizer, "unk_token_id", None)
+def token_spans(tokenizer: Any, sentences: Sequence[str], expected: Sequence[Sequence[int]] | None = None) -> list[TokenSpans]:
+    """Each sentence's scored tokens with their character spans; the ids are ``encode_plain``'s.
+
+    A transformers fast tokenizer is read through its ``backend_tokenizer`` (transformers' own call costs as much
+    again); given ``expected`` (each sentence's ids as ``encode_plain`` gives them), a sentence whose backend ids
+    differ sends every sentence through transformers' call instead.
+    """
     if hasattr(tokenizer, "processor"):  # a raw SentencePiece model
         raw = [_sentencepiece_tokens(tokenizer.processor, text) for text in sentences]
     elif hasattr(tokenizer, "encodings"):  # a JsonTokenizer
@@ -68,14 +71,20 @@ def token_spans(tokenizer: Any, sentences: Sequence[str]) -> list[TokenSpans]:
     else:
         if not getattr(tokenizer, "is_fast", False):
             raise TokenizationError(f"{tokenizer_name(tokenizer)}: character offsets need a fast tokenizer (tokenizer.json)")
-        encoded = tokenizer(list(sentences), add_special_tokens=False, return_offsets_mapping=True)
-        raw = [
-            (ids, offsets, tokenizer.convert_ids_to_tokens(ids))
-            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"])
-        ]
+        encodings = tokenizer.backend_tokenizer.encode_batch(list(sentences), add_special_tokens=False)
+        raw = [(e.ids, e.offsets, e.tokens) for e in encodings]
+        special = inserted_special_ids(tokenizer)
+        if expected is not None and any(list(e.ids)[_kept(e.ids, special)] != list(ids) for e, ids in zip(encodings, expected)):
+            encoded = tokenizer(list(sentences), add_special_tokens=False, return_offsets_mapping=True)
+            raw = [
+                (ids, offsets, tokenizer.convert_ids_to_tokens(ids))
+                for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"])
+            ]
+    special = inserted_special_ids(tokenizer)
+    unknown = getattr(tokenizer, "unk_token_id", None)
     result = []
     for text, (ids, offsets, pieces) in zip(sentences, raw):
-        keep = slice(1 if ids and ids[0] in special else 0, len(ids) - 1 if len(ids) > 1 and ids[-1] in special else len(ids))
+        keep = _kept(ids, special)
         ids, offsets, pieces = list(ids)[keep], list(offsets)[keep], list(pieces)[keep]
         if hasattr(tokenizer, "processor"):
             flags = [tokenizer.processor.is_unknown(i) or tokenizer.processor.is_byte(i) for i in ids]
@@ -83,6 +92,11 @@ def token_spans(tokenizer: Any, sentences: Sequence[str]) -> list[TokenSpans]:
             flags = [i == unknown or bool(BYTE_PIECE.fullmatch(p)) for i, p in zip(ids, pieces)]
         result.append(TokenSpans(list(ids), [_trim(text, *span) for span in offsets], list(pieces), flags))
     return result
+
+
+def _kept(ids: Sequence[int], special: set[int]) -> slice:
+    """The ids ``encode_plain`` keeps: a special token at either end taken off."""
+    return slice(1 if ids and ids[0] in special else 0, len(ids) - 1 if len(ids) > 1 and ids[-1] in special else len(ids))
 
 
 def _sentencepiece_tokens(processor: Any, text: str) -> tuple[list[int], list[Span], list[str]]:
@@ -141,15 +155,18 @@ def pair_edit_tokens(edit: Edit, good: TokenSpans, bad: TokenSpans) -> PairEditT
     )
 
 
-def edit_tokens_of_pairs(tokenizer: Any, pairs: Sequence[Any]) -> list[PairEditTokens]:
-    """``pair_edit_tokens`` of each pair (objects with ``good`` and ``bad`` sentences), in order."""
-    spans = token_spans(tokenizer, [s for pair in pairs for s in (pair.good, pair.bad)])
+def edit_tokens_of_pairs(
+    tokenizer: Any, pairs: Sequence[Any], expected: Sequence[Sequence[int]] | None = None
+) -> list[PairEditTokens]:
+    """``pair_edit_tokens`` of each pair (objects with ``good`` and ``bad`` sentences), in order; ``expected``: as
+    ``token_spans`` takes it, good then bad."""
+    spans = token_spans(tokenizer, [s for pair in pairs for s in (pair.good, pair.bad)], expected)
     return [pair_edit_tokens(find_edit(p.good, p.bad), spans[2 * i], spans[2 * i + 1]) for i, p in enumerate(pairs)]
 
 
-def edit_alignment(tokenizer: Any, pairs: Sequence[Any]) -> str:
+def edit_alignment(tokenizer: Any, pairs: Sequence[Any], expected: Sequence[Sequence[int]] | None = None) -> str:
     """One character per pair: "1" the edit is aligned, "0" it is not (see the module docstring)."""
-    return "".join("1" if facts.aligned else "0" for facts in edit_tokens_of_pairs(tokenizer, pairs))
+    return "".join("1" if facts.aligned else "0" for facts in edit_tokens_of_pairs(tokenizer, pairs, expected))
 
 
 def summarise_edit_tokens(
