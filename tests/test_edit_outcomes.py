@@ -108,3 +108,29 @@ def test_a_sweep_gives_the_acquisition_step_of_aligned_and_unaligned_pairs():
     assert (found["aligned_step"], found["unaligned_step"]) == (20, 30)
     assert found["curve"] == [[10, 0.0, 0.0], [20, 1.0, 0.0], [30, 1.0, 1.0]]
     assert split_acquisition([{**records[0], "edit_tokens": {"aligned": None, "length_sign": "0" * 20}}]) is None
+
+
+def test_a_tokenizer_without_offsets_scores_as_before_with_no_split(small_data):
+    """A custom tokenizer (ids only, no character offsets): the cache and results have no alignment, and no split."""
+    import numpy as np
+
+    from tatblimp_callback.reading.data import load_benchmark
+    from tatblimp_callback.results.metrics import compute_results
+    from tatblimp_callback.tokenized.cache import build_cache
+
+    class CharTokenizer:
+        bos_token_id, eos_token_id, name_or_path = 0, None, "chars"
+
+        def encode_batch(self, texts):
+            return [[1 + ord(c) % 500 for c in text] for text in texts]
+
+        def get_vocab(self):
+            return {str(i): i for i in range(501)}
+
+    benchmark = load_benchmark(small_data, allow_modified=True)
+    cache = build_cache(CharTokenizer(), benchmark)
+    assert cache.edit_aligned == ""
+    record = compute_results(cache, np.zeros(cache.num_sentences)).to_dict()
+    assert record["edit_tokens"]["aligned"] is None and len(record["edit_tokens"]["length_sign"]) == len(benchmark)
+    assert record["pairs"][0]["edit_aligned"] is None and record["pairs"][0]["critical_region"]["good_text"]
+    assert split_by_edit(record) is None
