@@ -20,13 +20,14 @@ from typing import Any
 from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
 from ..engine import distributed
 from ..engine.model_checks import unwrap_model, weights_label
+from ..engine.model_state import rng_preserved
 from ..evaluation import Evaluator
 from ..results.curves import acquisition_steps
 from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .alerts import RegressionAlerts
-from .monitoring_errors import ErrorLog, rng_preserved
+from .monitoring_errors import ErrorLog
 from .suite_schedule import suite_history_files, suites_due
 
 logger = logging.getLogger(__name__)
