@@ -133,13 +133,15 @@ def has_missing_weights(lm: torch.nn.Module) -> bool:
 
 def input_device(lm: torch.nn.Module) -> torch.device:
     """Where the model takes its input ids: the input embeddings' device, or the device accelerate's hook
-    runs them on (a ``device_map`` with offload leaves the weight on the meta device)."""
+    runs them on (a ``device_map`` with offload leaves the weight on the meta device); for input embeddings
+    without a weight (a ``CallableLM``'s declared vocabulary), the model's first parameter's."""
     embedding = lm.get_input_embeddings()
     hook = getattr(embedding, "_hf_hook", None)
     execution = getattr(hook, "execution_device", None)
     if execution is not None:
         return torch.device("cpu" if execution == "disk" else execution)
-    return embedding.weight.device
+    weight = getattr(embedding, "weight", None)
+    return weight.device if isinstance(weight, torch.Tensor) else next(lm.parameters()).device
 
 
 def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) -> SentenceCache:
