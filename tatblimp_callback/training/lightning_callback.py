@@ -143,23 +143,21 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
         self._monitor = InLoopMonitor(self)
-        self._entries: list[dict[str, Any]] = []  # every point logged: {"step": ..., **metrics}, the checkpointed state
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None
 
     # -- Lightning events -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"entries": [dict(entry) for entry in self._entries]}
+        return {"entries": [dict(entry) for entry in self._monitor.points]}  # the same on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = list(state_dict.get("entries", []))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._entries = self._restored or []
-        self._restored = None
-        self._monitor.start_run(self._entries)
-        for entry in self._entries:  # a resumed run's monitored keys hold its last values from the start
+        entries, self._restored = self._restored or [], None
+        self._monitor.start_run(entries)
+        for entry in entries:  # a resumed run's monitored keys hold its last values from the start
             expose(trainer, {k: v for k, v in entry.items() if k != "step"})
         warn_about_monitors(trainer, self)
         self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
@@ -220,12 +218,10 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         model = unwrap_model(self._find_model(pl_module))
 
         def publish(step: int, metrics: dict[str, float], results: Results | None) -> None:
-            self._entries.append({"step": step, **metrics})  # on every rank: each saves the same state
-            if trainer.is_global_zero:
-                self._log(trainer, step, metrics, results)
+            self._log(trainer, step, metrics, results)
 
         with _root_unsharded(pl_module, model):
-            metrics = self._monitor.score(model, trainer.global_step, publish)
+            metrics = self._monitor.score(model, trainer.global_step, publish, main=trainer.is_global_zero)
         expose(trainer, metrics)  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
         return metrics
 

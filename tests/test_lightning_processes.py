@@ -1,0 +1,78 @@
+"""What each process of a Lightning run does, and two TatBLiMP callbacks in one Trainer: only the global rank 0
+logs (curve points, regression alerts' warnings, wandb alerts), every rank holds the same metrics and state, and
+each callback keeps (and restores) its own state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama, write_pairs
+
+pytest.importorskip("lightning")
+import lightning as L
+
+from tatblimp_callback import Evaluator
+from tatblimp_callback.lightning import TatBLiMPLightningCallback
+from test_lightning import Wrapped, fit
+
+
+@pytest.fixture(scope="module")
+def falling_data(tmp_path_factory, records, bpe_tokenizer):
+    """60 pairs that tiny_llama(seed 0) all passes (acc_norm 1.0), each pair in the order it prefers: another
+    model's weights then score about 0.5 on them, a fall McNemar calls significant."""
+    chosen = records[::20][:60]
+    path = write_pairs(tmp_path_factory.mktemp("falling") / "falling.jsonl", chosen)
+    results = Evaluator(bpe_tokenizer, path, allow_modified=True)(tiny_llama(len(bpe_tokenizer)))
+    ordered = [r if p.passed_norm else {**r, "good": r["bad"], "bad": r["good"]} for r, p in zip(chosen, results.pairs)]
+    path = write_pairs(path, ordered)
+    assert Evaluator(bpe_tokenizer, path, allow_modified=True)(tiny_llama(len(bpe_tokenizer))).acc_norm == 1.0
+    return path
+
+
+class OtherWeights(L.Callback):
+    """At the end of the first step, the model holds another random model's weights."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            pl_module.model.load_state_dict(tiny_llama(pl_module.model.config.vocab_size, seed=1).state_dict())
+
+
+class Alerts:
+    def __init__(self):
+        self.sent = []
+
+    def alert(self, **kwargs):
+        self.sent.append(kwargs["title"])
+
+
+@pytest.mark.parametrize("rank_zero", [True, False])
+def test_only_the_global_rank_zero_warns_and_sends_regression_alerts(
+    tmp_path, bpe_tokenizer, falling_data, monkeypatch, caplog, rank_zero
+):
+    from tatblimp_callback.training import alerts
+
+    run = Alerts()
+    monkeypatch.setattr(alerts, "wandb_run", lambda: run)
+    if not rank_zero:  # this process is another rank than 0, as Lightning's strategy says
+        monkeypatch.setattr(L.Trainer, "is_global_zero", property(lambda self: False))
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer, data=falling_data, allow_modified=True, eval_every_n_steps=1, history_file=None
+    )
+    module = Wrapped(len(bpe_tokenizer), lr=0.0)
+    module.model.load_state_dict(tiny_llama(len(bpe_tokenizer)).state_dict())
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        trainer = fit(module, None, tmp_path, 2, bpe_tokenizer, callbacks=[OtherWeights(), callback])
+    assert [e["tatblimp/acc_norm"] for e in callback.history][0] == 1.0
+    assert callback.history[1]["tatblimp/acc_norm"] < 0.7
+    # Every rank counts the alerts alike (the same callback_metrics and checkpointed state on each).
+    assert callback.history[1]["tatblimp/alerts"] >= 1
+    assert trainer.callback_metrics["tatblimp/alerts"].item() == callback.history[-1]["tatblimp/alerts"]
+    assert callback.state_dict()["entries"] == callback.history
+    warned = caplog.text.count("REGRESSION")
+    if rank_zero:
+        assert warned >= 1 and "tatblimp: overall fell" in run.sent and len(run.sent) == warned
+    else:
+        assert warned == 0 and run.sent == []
