@@ -76,3 +76,43 @@ def test_only_the_global_rank_zero_warns_and_sends_regression_alerts(
         assert warned >= 1 and "tatblimp: overall fell" in run.sent and len(run.sent) == warned
     else:
         assert warned == 0 and run.sent == []
+
+
+@pytest.mark.slow
+def test_two_callbacks_in_one_trainer_each_keep_and_restore_their_own_state(tmp_path, bpe_tokenizer, small_data, records):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    heldout = write_pairs(tmp_path / "heldout.jsonl", records[100:130])
+
+    def callbacks():
+        common = dict(tokenizer=bpe_tokenizer, allow_modified=True, eval_every_n_steps=2)
+        return (
+            TatBLiMPLightningCallback(data=small_data, **common),
+            TatBLiMPLightningCallback(data=heldout, log_prefix="heldout", history_file="heldout_history.jsonl", **common),
+        )
+
+    main, other = callbacks()
+    assert main.state_key != other.state_key and "heldout" in other.state_key
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, 4, bpe_tokenizer, callbacks=[main, other, checkpoint])
+    assert [e["step"] for e in main.history] == [0, 2, 4] == [e["step"] for e in other.history]
+    assert "tatblimp/acc_norm" in main.history[0] and "heldout/acc_norm" in other.history[0]
+    assert main.history[0]["tatblimp/acc_norm"] != other.history[0]["heldout/acc_norm"]  # other pairs, other scores
+    saved = torch.load(tmp_path / "ckpt" / "step=2.ckpt", weights_only=False)["callbacks"]
+    assert saved[main.state_key]["entries"] == main.history[:2]
+    assert saved[other.state_key]["entries"] == other.history[:2]
+    # Resumed from step 2: each callback gets its own points back (not scored again), and goes on.
+    main_again, other_again = callbacks()
+    fit(
+        Wrapped(len(bpe_tokenizer)),
+        None,
+        tmp_path,
+        6,
+        bpe_tokenizer,
+        ckpt_path=tmp_path / "ckpt" / "step=2.ckpt",
+        callbacks=[other_again, main_again],
+    )
+    assert main_again.history[:2] == main.history[:2] and other_again.history[:2] == other.history[:2]
+    assert [e["step"] for e in main_again.history] == [0, 2, 4, 6] == [e["step"] for e in other_again.history]
+    lines = [json.loads(line) for line in (tmp_path / "heldout_history.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 2, 4, 6] and lines[0]["n"] == 30

@@ -148,6 +148,12 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
 
     # -- Lightning events -----------------------------------------------------------------------
 
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint, built from ``log_prefix`` (as ``ModelCheckpoint``'s from
+        its settings): two callbacks with other prefixes coexist in one Trainer, and each restores its own points."""
+        return self._generate_state_key(log_prefix=self.log_prefix)
+
     def state_dict(self) -> dict[str, Any]:
         return {"entries": [dict(entry) for entry in self._monitor.points]}  # the same on every rank
 
