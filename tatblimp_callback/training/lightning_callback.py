@@ -164,7 +164,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         entries, self._restored = self._restored or [], None
         self._monitor.start_run(entries)
         for entry in entries:  # a resumed run's monitored keys hold its last values from the start
-            expose(trainer, {k: v for k, v in entry.items() if k != "step"})
+            expose(trainer, {k: v for k, v in entry.items() if k != "step"}, self._monitor.is_our_metric)
         warn_about_monitors(trainer, self)
         self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
         if trainer.is_global_zero:
@@ -228,7 +228,9 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
 
         with _root_unsharded(pl_module, model):
             metrics = self._monitor.score(model, trainer.global_step, publish, main=trainer.is_global_zero)
-        expose(trainer, metrics)  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
+        expose(
+            trainer, metrics, self._monitor.is_our_metric
+        )  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
         return metrics
 
     def _log(self, trainer, step: int, metrics: dict[str, float], results: Results | None) -> None:
