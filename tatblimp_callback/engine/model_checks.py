@@ -4,7 +4,7 @@ Before any forward pass: weights that exist (not on the meta device), an embeddi
 every token id, sequences that fit the model's context. For the choice of the scoring method: which
 4D mask its attention takes, whether its forward reads ``position_ids`` at all (prefix-tree and
 packed rows depend on them), and a cheap fingerprint of its weights that says when they have
-moved enough to check the method again.
+moved enough to check the method again; and ``weights_label``, which names every bit of the weights.
 """
 
 from __future__ import annotations
@@ -214,26 +214,74 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
 
 
 def weights_label(lm: torch.nn.Module) -> str | None:
-    """16 hex digits that name the model's weights as they are now: a hash of ``weight_fingerprint`` and of
-    every weight tensor's sum (so a change outside the sampled values shows too); one read of the weights.
+    """16 hex digits that name the model's weights as they are now: every bit of every parameter and buffer,
+    with their names, dtypes and shapes, hashed with sha256 (``tensor_digest``).
 
-    Equal labels: the same weights, bit for bit, in all but astronomically unlikely cases. Of a sharded
-    weight, this process's shard (DeepSpeed ZeRO-3's partition); None when this process holds none.
+    Two models whose weights differ in any bit get different labels (on an accelerator, several changed values
+    that cancel out have a chance of 2**-64 of passing). Of a sharded weight, this process's shard (DeepSpeed
+    ZeRO-3's partition); None when this process holds none.
     """
-    sums = []
-    for parameter in lm.parameters():
-        if parameter.is_meta:  # offloaded by a device map: the label names the weights held in memory
+    digest = hashlib.sha256()
+    held = False
+    for name, tensor in [*lm.named_parameters(), *lm.named_buffers()]:
+        if tensor.is_meta:  # offloaded by a device map: the label names the weights held in memory
             continue
-        local = getattr(parameter, "ds_tensor", None)
+        local = getattr(tensor, "ds_tensor", None)
         if local is None:
-            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-        if local.numel() and local.is_floating_point():
-            sums.append(local.detach().sum(dtype=torch.float64).reshape(1).cpu())
-    if not sums:
-        return None
-    digest = hashlib.sha256(weight_fingerprint(lm).numpy().tobytes())
-    digest.update(torch.cat(sums).numpy().tobytes())
-    return digest.hexdigest()[:16]
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if not local.numel():
+            continue
+        held = held or local.is_floating_point()
+        digest.update(f"{name}:{local.dtype}:{tuple(local.shape)}:".encode())
+        digest.update(tensor_digest(local))
+    return digest.hexdigest()[:16] if held else None
+
+
+DIGEST_CHUNK = 1 << 22  # values per partial sum of ``device_digest``
+_MULTIPLIERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """A digest of every bit of ``tensor``: on the CPU the sha256 of its bytes; elsewhere ``device_digest``,
+    computed where the tensor is (copying a model's weights to the host would cost more than scoring it)."""
+    words = _words(tensor)
+    if words.device.type == "cpu":
+        return hashlib.sha256(words.numpy()).digest()
+    return device_digest(words).numpy().tobytes()
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes, flat, as 16-bit words (8-bit for an odd byte count or an odd address)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int16) if raw.numel() % 2 == 0 and raw.data_ptr() % 2 == 0 else raw
+
+
+def device_digest(words: torch.Tensor) -> torch.Tensor:
+    """An int64 per ``DIGEST_CHUNK`` words (on the CPU): the sum, wrapping mod 2**64, of each word times a
+    pseudo-random odd multiplier of its position. A change of any one word changes its chunk's sum (an odd
+    number times a nonzero difference below 2**16 is never 0 mod 2**64); several cancel with a chance of 2**-64.
+    """
+    multipliers = _multipliers(words.device)
+    sums = [
+        (words[start : start + DIGEST_CHUNK].long() * multipliers[: min(DIGEST_CHUNK, words.numel() - start)]).sum()
+        for start in range(0, words.numel(), DIGEST_CHUNK)
+    ]
+    return torch.stack(sums).cpu()
+
+
+def _multipliers(device: torch.device) -> torch.Tensor:
+    """``DIGEST_CHUNK`` odd int64 multipliers (splitmix64 of the position), made once per device."""
+    if device not in _MULTIPLIERS:
+        z = torch.arange(DIGEST_CHUNK, dtype=torch.int64, device=device) * -7046029254386353131  # 0x9E3779B97F4A7C15
+        z = (z ^ _shift_right(z, 30)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+        z = (z ^ _shift_right(z, 27)) * -7723592293110705685  # 0x94D049BB133111EB
+        _MULTIPLIERS[device] = (z ^ _shift_right(z, 31)) | 1
+    return _MULTIPLIERS[device]
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical (unsigned) right shift of int64 values; torch's ``>>`` is arithmetic."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:
