@@ -225,7 +225,8 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 
     The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
     and moved there when it is elsewhere; the scorer is made again when the model moved to another
-    device or dtype since it was made.
+    device or dtype since it was made, or when ``options`` (the evaluator's ``memory_budget``, ``truncate``,
+    ``method``) changed.
     """
     if getattr(evaluator, "backend", None) == "vllm" or is_vllm_engine(model):
         return vllm_scorer_for(evaluator, model, build, options.get("truncate", False))
@@ -236,9 +237,11 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
         evaluator.cache = build(device)
     elif evaluator.cache.device != device:
         evaluator.cache = evaluator.cache.to(device)
-    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its own.
-    if evaluator._scorer is None or not evaluator._scorer.serves(model):
-        evaluator._scorer = Scorer(model, evaluator.cache, **options)
+    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its
+    # own; so do options changed since (``evaluator.memory_budget = ...``): the scorer would keep its own.
+    scorer = evaluator._scorer
+    if scorer is None or not scorer.serves(model) or getattr(evaluator, "_scorer_options", None) != options:
+        evaluator._scorer, evaluator._scorer_options = Scorer(model, evaluator.cache, **options), options
     return evaluator._scorer
 
 
