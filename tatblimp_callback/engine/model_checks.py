@@ -152,26 +152,32 @@ def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) ->
     return fit_cache_to_context(cache, getattr(lm.config, "max_position_embeddings", None), truncate)
 
 
-def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bool) -> SentenceCache:
-    """``fit_to_context`` for a model whose context is ``context`` tokens (None: unlimited)."""
+def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bool, room: int = 0) -> SentenceCache:
+    """``fit_to_context`` for a model whose context is ``context`` tokens (None: unlimited), leaving ``room``
+    positions after each sequence (vLLM generates one token after every prompt, within its context)."""
     longest = max(cache.lengths)
-    if context is None or longest <= context:
+    if context is None or longest <= context - room:
         return cache
+    if room:
+        what = f"the model's context of {context} less the {room} token generated after each"
+        context -= room
+    else:
+        what = f"the model's context of {context}"
     k = cache.lengths.index(longest)
     if cache.answer_ids:
         raise ScoringError(
             f"forced-choice item {k} (pair {k // 2}, {'good' if k % 2 == 0 else 'bad'}_first) has {longest} prompt "
-            f"tokens, more than the model's context of {context}; a prompt cannot be cut without losing the question"
+            f"tokens, more than {what}; a prompt cannot be cut without losing the question"
         )
     if not truncate:
         too_long = sum(length > context for length in cache.lengths)
         raise ScoringError(
-            f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than the model's context of {context} "
+            f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than {what} "
             f"(the longest, pair {k // 2}'s {'good' if k % 2 == 0 else 'bad'} sentence, has {longest}); "
             "pass truncate=True (tatblimp: --truncate) to cut them"
         )
     cut = cache.cut_to(context)
-    logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(cut.truncated), context)
+    logger.warning("tatblimp: %d sentences cut to %d tokens (%s)", len(cut.truncated), context, what)
     return cut
 
 
