@@ -294,7 +294,24 @@ def test_a_sentence_exactly_at_the_context_leaves_vllm_room_for_its_generated_to
 
     short = save_model(tmp_path / "short", bpe_tokenizer, max_position_embeddings=16)
     ids = lambda text: [bpe_tokenizer.bos_token_id, *bpe_tokenizer(text, add_special_tokens=False)["input_ids"]]  # noqa: E731
-    words = "Мин бүген мәктәпкә бардым һәм анда бик күп яңа дуслар таптым , алар миңа ярдәм иттеләр".split()
+    words = [
+        "Мин",
+        "бүген",
+        "мәктәпкә",
+        "бардым",
+        "һәм",
+        "анда",
+        "бик",
+        "күп",
+        "яңа",
+        "дуслар",
+        "таптым",
+        ",",
+        "алар",
+        "миңа",
+        "ярдәм",
+        "иттеләр",
+    ]
     at_context = next(" ".join(words[:n]) for n in range(1, len(words)) if len(ids(" ".join(words[:n]))) == 16)
     shorter = " ".join(at_context.split()[:-2])
     data = write_pairs(tmp_path / "edge.jsonl", [{"good": at_context, "bad": shorter, "phenomenon": "edge"}])
