@@ -63,7 +63,9 @@ class Evaluator:
         cache: an already built ``SentenceCache``; it is moved to the model's device.
         prefix_token_id: the token put before every sentence (default: BOS, else EOS).
         allow_modified: accept a benchmark file that is not the official release.
-        memory_budget: extra bytes one evaluation may use (default: from free device memory).
+        memory_budget: extra bytes one evaluation may use (default: from free device memory). This and
+            ``truncate`` and ``method`` may be changed between calls (``evaluator.memory_budget = ...``): the
+            next call makes a scorer with them.
         truncate: cut sentences longer than the model's context instead of raising.
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from tatblimp_callback.lightning import TatBLiMPLightningCallback
 from tatblimp_callback.reading.jsonl import read_complete_lines
-from test_lightning import Probe, Wrapped, fit, fresh_metrics
+from test_lightning import Probe, Wrapped, blimp_slice, fit, fresh_metrics
 
 
 class Perturbed(L.Callback):
@@ -126,18 +126,9 @@ def test_the_last_step_of_an_epoch_run_is_scored_before_the_epoch_end_checkpoint
 
 
 def test_a_checkpoint_on_a_suite_key_never_ranks_a_stale_suite_score(tmp_path, bpe_tokenizer, small_data, caplog):
-    from conftest import SHARED
-
-    blimp = tmp_path / "passive_1.jsonl"
-    source = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").split("\n")
-    blimp.write_text("\n".join(source[300:330]) + "\n", encoding="utf-8")
+    suites = dict(suites={"blimp": blimp_slice(tmp_path)}, suite_every={"blimp": 2})  # blimp at every 2nd evaluation
     callback = TatBLiMPLightningCallback(
-        tokenizer=bpe_tokenizer,
-        data=small_data,
-        allow_modified=True,
-        eval_every_n_steps=1,
-        suites={"blimp": blimp},
-        suite_every={"blimp": 2},
+        tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1, **suites
     )
     checkpoint = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", monitor="blimp/acc_norm", mode="max", every_n_train_steps=1, save_top_k=1, filename="{step}"

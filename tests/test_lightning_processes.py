@@ -103,15 +103,8 @@ def test_two_callbacks_in_one_trainer_each_keep_and_restore_their_own_state(tmp_
     assert saved[other.state_key]["entries"] == other.history[:2]
     # Resumed from step 2: each callback gets its own points back (not scored again), and goes on.
     main_again, other_again = callbacks()
-    fit(
-        Wrapped(len(bpe_tokenizer)),
-        None,
-        tmp_path,
-        6,
-        bpe_tokenizer,
-        ckpt_path=tmp_path / "ckpt" / "step=2.ckpt",
-        callbacks=[other_again, main_again],
-    )
+    resumed = dict(ckpt_path=tmp_path / "ckpt" / "step=2.ckpt", callbacks=[other_again, main_again])  # the other order
+    fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, 6, bpe_tokenizer, **resumed)
     assert main_again.history[:2] == main.history[:2] and other_again.history[:2] == other.history[:2]
     assert [e["step"] for e in main_again.history] == [0, 2, 4, 6] == [e["step"] for e in other_again.history]
     lines = [json.loads(line) for line in (tmp_path / "heldout_history.jsonl").read_text().splitlines()]

@@ -47,8 +47,10 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     Each evaluation's metrics are also put in ``trainer.callback_metrics`` (on every rank), before
     ``ModelCheckpoint`` (which Lightning always runs after the other callbacks) and ``EarlyStopping`` (which
     checks at the end of an epoch or a validation run) read them, so either can monitor ``tatblimp/acc_norm``
-    or any logged key, whatever the order of the callbacks. Between evaluations (and after a failed one) the
-    keys keep the last evaluation's values; a resumed run starts with its checkpoint's last values.
+    or any logged key, whatever the order of the callbacks. Between evaluations the keys keep the last
+    evaluation's values (a resumed run starts with its checkpoint's last values); a key that an evaluation did not
+    score (a suite ``suite_every`` skips, a failed evaluation) is NaN from it on, never another step's score.
+    Two callbacks in one Trainer need other ``log_prefix``es (each has its ``state_key``) and ``history_file``s.
 
     Raises:
         ValueError: ``eval_every_n_steps`` is not a whole number of at least 1, or ``protocol`` is unknown
