@@ -78,7 +78,6 @@ def test_only_the_global_rank_zero_warns_and_sends_regression_alerts(
         assert warned == 0 and run.sent == []
 
 
-@pytest.mark.slow
 def test_two_callbacks_in_one_trainer_each_keep_and_restore_their_own_state(tmp_path, bpe_tokenizer, small_data, records):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
