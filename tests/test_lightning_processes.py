@@ -33,11 +33,15 @@ def falling_data(tmp_path_factory, records, bpe_tokenizer):
 
 
 class OtherWeights(L.Callback):
-    """At the end of the first step, the model holds another random model's weights."""
+    """At the end of step k (a key of ``seeds``), the model holds the random model ``seeds[k]``'s weights."""
+
+    def __init__(self, seeds: dict[int, int] | None = None):
+        self.seeds = seeds or {1: 1}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == 1:
-            pl_module.model.load_state_dict(tiny_llama(pl_module.model.config.vocab_size, seed=1).state_dict())
+        if trainer.global_step in self.seeds:
+            seed = self.seeds[trainer.global_step]
+            pl_module.model.load_state_dict(tiny_llama(pl_module.model.config.vocab_size, seed=seed).state_dict())
 
 
 class Alerts:
@@ -108,3 +112,29 @@ def test_two_callbacks_in_one_trainer_each_keep_and_restore_their_own_state(tmp_
     assert [e["step"] for e in main_again.history] == [0, 2, 4, 6] == [e["step"] for e in other_again.history]
     lines = [json.loads(line) for line in (tmp_path / "heldout_history.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 2, 4, 6] and lines[0]["n"] == 30
+
+
+def test_after_a_failed_evaluation_the_scores_are_nan_and_the_counts_stay(tmp_path, bpe_tokenizer, falling_data, monkeypatch):
+    from tatblimp_callback import evaluation
+    from test_lightning import Probe
+
+    score, calls = evaluation.Evaluator.__call__, []
+
+    def fails_third(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_third)
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer, data=falling_data, allow_modified=True, eval_every_n_steps=1, history_file=None
+    )
+    module = Wrapped(len(bpe_tokenizer), lr=0.0)
+    module.model.load_state_dict(tiny_llama(len(bpe_tokenizer)).state_dict())
+    alerts, score_probe = Probe("tatblimp/alerts"), Probe("tatblimp/acc_norm")
+    fit(module, None, tmp_path, 2, bpe_tokenizer, callbacks=[OtherWeights({1: 1, 2: 2}), callback, alerts, score_probe])
+    assert callback.failures == 1 and [e["step"] for e in callback.history] == [0, 1]  # step 2 failed
+    count = callback.history[1]["tatblimp/alerts"]
+    assert count >= 1 and alerts.seen == {1: count, 2: count}  # the run's count, also at the failed step
+    assert score_probe.seen[2] != score_probe.seen[2]  # NaN: step 2's weights were not scored

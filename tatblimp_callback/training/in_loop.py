@@ -200,6 +200,8 @@ class InLoopMonitor:
         metrics = self._metrics(step, results, fc_results, weights)
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
             metrics.update(self.alerts.observe(step, results, main))
+        elif self.alerts.count:  # a count of the run, as failures: at every point once there are any (never NaN)
+            metrics[f"{self.settings.log_prefix}/alerts"] = float(self.alerts.count)
         self._last_metrics = metrics
         if weights is not None and self.has_results(metrics):  # a failure may pass (out of memory): tried again
             self._by_weights[weights] = metrics
