@@ -64,7 +64,9 @@ class Evaluator:
         cache: an already built ``SentenceCache``; it is moved to the model's device.
         prefix_token_id: the token put before every sentence (default: BOS, else EOS).
         allow_modified: accept a benchmark file that is not the official release.
-        memory_budget: extra bytes one evaluation may use (default: from free device memory).
+        memory_budget: extra bytes one evaluation may use (default: from free device memory). This and
+            ``truncate`` and ``method`` may be changed between calls (``evaluator.memory_budget = ...``): the
+            next call makes a scorer with them.
         truncate: cut sentences longer than the model's context instead of raising.
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.
@@ -240,7 +242,8 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
 
     The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
     and moved there when it is elsewhere; the scorer is made again when the model moved to another
-    device or dtype since it was made.
+    device or dtype since it was made, or when ``options`` (the evaluator's ``memory_budget``, ``truncate``,
+    ``method``) changed.
     """
     if getattr(evaluator, "backend", None) == "vllm" or is_vllm_engine(model):
         return vllm_scorer_for(evaluator, model, build, options.get("truncate", False))
@@ -251,9 +254,11 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
         evaluator.cache = build(device)
     elif evaluator.cache.device != device:
         evaluator.cache = evaluator.cache.to(device)
-    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its own.
-    if evaluator._scorer is None or not evaluator._scorer.serves(model):
-        evaluator._scorer = Scorer(model, evaluator.cache, **options)
+    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its
+    # own; so do options changed since (``evaluator.memory_budget = ...``): the scorer would keep its own.
+    scorer = evaluator._scorer
+    if scorer is None or not scorer.serves(model) or getattr(evaluator, "_scorer_options", None) != options:
+        evaluator._scorer, evaluator._scorer_options = Scorer(model, evaluator.cache, **options), options
     return evaluator._scorer
 
 

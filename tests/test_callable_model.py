@@ -166,3 +166,18 @@ def test_an_olmo_core_transformer_through_the_callable_route(bpe_tokenizer, smal
             x = torch.tensor([cache.sentence(s)])
             expected.append(float(model(x)[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None]).sum()))
     assert (logprobs(results) - torch.tensor(expected, dtype=torch.float64)).abs().max().item() < 1e-4
+
+
+def test_one_callable_lm_is_scored_again_at_its_second_evaluation(bpe_tokenizer, small_data, cache):
+    model = NanoGPT(len(bpe_tokenizer))
+    lm = CallableLM(model.forward, vocab_size=len(bpe_tokenizer), context_length=256, layouts=("packed",))
+    evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True)
+    first = evaluator(lm)
+    scorer = evaluator._scorer
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # trained a little between the two
+    second = evaluator(lm)
+    assert evaluator._scorer is scorer  # the same scorer, its method kept
+    sentences = [cache.sentence(s) for s in range(cache.num_sentences)]
+    assert (logprobs(second) - reference(model, sentences)).abs().max().item() < 1e-4
+    assert not torch.allclose(logprobs(second), logprobs(first))

@@ -279,7 +279,8 @@ def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bp
     callback, probe = TatBLiMPLightningCallback(**options), Probe()
     trainer = fit(Wrapped(len(bpe_tokenizer)), None, tmp_path / "goes-on", 3, bpe_tokenizer, callbacks=[callback, probe])
     assert trainer.global_step == 3 and callback.failures == 1
-    assert probe.seen[1] == callback.history[0]["tatblimp/acc_norm"]  # the failed step keeps the last value
+    assert probe.seen[1] != probe.seen[1]  # the failed step's keys are NaN (never the last value, of other weights)
+    assert probe.seen[2] == callback.history[1]["tatblimp/acc_norm"]
     assert [e["step"] for e in callback.history] == [0, 2, 3]  # step 1 failed: no point there
     assert callback.history[-1]["tatblimp/failures"] == 1.0
     with (tmp_path / "goes-on" / "csv" / "version_0" / "metrics.csv").open() as handle:
@@ -296,12 +297,18 @@ def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bp
         )
 
 
-def test_suites_and_gradient_accumulation_one_row_per_evaluation(tmp_path, bpe_tokenizer, small_data):
+def blimp_slice(folder: Path) -> Path:
+    """30 lines of BLiMP's passive_1 (one of them a pair of identical sentences, left out) as a suite file."""
     from conftest import SHARED
 
-    blimp = tmp_path / "passive_1.jsonl"
+    blimp = folder / "passive_1.jsonl"
     source = (SHARED / "blimp" / "data" / "passive_1.jsonl").read_text(encoding="utf-8").split("\n")
     blimp.write_text("\n".join(source[300:330]) + "\n", encoding="utf-8")
+    return blimp
+
+
+def test_suites_and_gradient_accumulation_one_row_per_evaluation(tmp_path, bpe_tokenizer, small_data):
+    blimp = blimp_slice(tmp_path)
     callback = TatBLiMPLightningCallback(
         tokenizer=bpe_tokenizer,
         data=small_data,

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from tatblimp_callback.lightning import TatBLiMPLightningCallback
 from tatblimp_callback.reading.jsonl import read_complete_lines
-from test_lightning import Probe, Wrapped, fit, fresh_metrics
+from test_lightning import Probe, Wrapped, blimp_slice, fit, fresh_metrics
 
 
 class Perturbed(L.Callback):
@@ -123,3 +123,42 @@ def test_the_last_step_of_an_epoch_run_is_scored_before_the_epoch_end_checkpoint
     assert sorted(values) == [0, 3, 4] and values[4] != values[3]
     scores = {Path(path).name: score.item() for path, score in checkpoint.best_k_models.items()}
     assert scores == {"epoch=0-step=2.ckpt": values[0], "epoch=1-step=4.ckpt": values[4]}
+
+
+def test_a_checkpoint_on_a_suite_key_never_ranks_a_stale_suite_score(tmp_path, bpe_tokenizer, small_data, caplog):
+    suites = dict(suites={"blimp": blimp_slice(tmp_path)}, suite_every={"blimp": 2})  # blimp at every 2nd evaluation
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1, **suites
+    )
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="blimp/acc_norm", mode="max", every_n_train_steps=1, save_top_k=1, filename="{step}"
+    )
+    probe = Probe("blimp/acc_norm")
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, 4, bpe_tokenizer, callbacks=[Perturbed(), callback, probe, checkpoint])
+    assert "blimp is scored at every 2-th evaluation only (suite_every), every 2 steps" in caplog.text
+    scored = {e["step"]: e["blimp/acc_norm"] for e in callback.history if "blimp/acc_norm" in e}
+    assert sorted(scored) == [0, 2, 4]
+    # The steps whose evaluation skipped blimp read NaN, never step 0's (or 2's) blimp score.
+    assert [step for step, value in probe.seen.items() if value != value] == [1, 3]
+    assert {step: probe.seen[step] for step in (2, 4)} == {2: scored[2], 4: scored[4]}
+    best = max((2, 4), key=lambda step: scored[step])
+    assert Path(checkpoint.best_model_path).name == f"step={best}.ckpt"
+    assert checkpoint.best_model_score.item() == scored[best]
+
+
+def test_early_stopping_on_a_suite_key_that_suite_every_skips_is_warned_of(tmp_path, bpe_tokenizer, small_data, caplog):
+    from tatblimp_callback.training.lightning_monitoring import warn_about_monitors
+
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer, data=small_data, suites={"blimp": small_data}, suite_every=3, eval_every_n_steps=2
+    )
+    trainer = L.Trainer(callbacks=[callback, EarlyStopping(monitor="blimp/acc_norm", mode="max")], logger=False)
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        warn_about_monitors(trainer, callback)
+    assert "EarlyStopping(monitor='blimp/acc_norm') stops training at the first NaN (check_finite=True)" in caplog.text
+    caplog.clear()
+    trainer = L.Trainer(callbacks=[callback, EarlyStopping(monitor="tatblimp/acc_norm", mode="max")], logger=False)
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        warn_about_monitors(trainer, callback)
+    assert "check_finite" not in caplog.text  # TatBLiMP is scored at every evaluation

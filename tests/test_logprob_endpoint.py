@@ -292,3 +292,36 @@ def test_backend_vllm_refuses_bad_input_with_the_default_backend_s_errors_before
     assert "more tokens than the model's context of 16" in str(default.value) or "prefix token id 99999" in str(default.value)
     with pytest.raises(ValueError, match="backend must be one of transformers, vllm"):
         evaluate(str(short), bpe_tokenizer, small_data, allow_modified=True, backend="vlm")
+
+
+def test_a_reply_with_fewer_log_probs_than_tokens_is_an_error_and_nothing_is_written(
+    model, model_dir, bpe_tokenizer, small_data, tmp_path, capsys
+):
+    from tatblimp_callback.chat.logprob_endpoint import read_prompt_logprobs
+
+    ids = [1, 40, 41, 42]
+    reply = {"choices": [{"logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [None, -1.0, -2.0]}}]}
+    with pytest.raises(Exception, match=r"request for 4 token ids \(token_id:1, token_id:40, .*3 token_logprobs for 4 tokens"):
+        read_prompt_logprobs(json.dumps(reply).encode(), ids, "http://x/v1")
+
+    class Short(CompletionsServer):  # one log-prob too few for one sentence: 50 of 51, say
+        def answer(self, body):
+            payload = super().answer(body)
+            if len(self.requests) == 5:
+                payload["choices"][0]["logprobs"]["token_logprobs"].pop()
+            return payload
+
+    server = Short(model)
+    results_file = tmp_path / "lp.jsonl"
+    try:
+        code, _ = _score(server, model_dir, small_data, tmp_path, "--results", str(results_file), "--concurrency", "1")
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    short = server.requests[4]["prompt"]
+    assert code == 1 and f"token_logprobs for {len(short)} tokens" in err and f"token_id:{short[1]}" in err
+    records = [json.loads(line) for line in results_file.read_text().splitlines()[1:]]
+    assert len(records) == 2 * 48 - 1  # every sentence but the short reply's, each whole
+    assert all(len(r["token_logprobs"]) > 0 for r in records)
+    kept = {r["sentence"] for r in records}
+    assert len(kept) == 2 * 48 - 1

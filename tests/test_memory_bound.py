@@ -210,3 +210,23 @@ def test_the_plan_of_tatblimp_and_all_of_blimp_fits_the_cpu_budget(spm_tokenizer
     print(
         f"plan {layout.plan_bytes >> 20} MiB, {layout.plan_bytes / layout.total_positions:.1f} B/position, peak {peak >> 20} MiB"
     )
+
+
+def test_a_memory_budget_changed_between_calls_takes_effect(bpe_tokenizer, small_data):
+    from conftest import tiny_llama
+    from tatblimp_callback import Evaluator
+
+    model = tiny_llama(len(bpe_tokenizer))
+    evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True, memory_budget=64 << 20)
+    first = evaluator(model)
+    assert evaluator._scorer.memory_budget == 64 << 20
+    wide = evaluator._scorer.tokens_per_batch, evaluator._scorer.head_tile
+    evaluator.memory_budget = 64 << 10  # a thousandth: smaller forward calls and head tiles from the next call on
+    second = evaluator(model)
+    assert evaluator._scorer.memory_budget == 64 << 10
+    narrow = evaluator._scorer.tokens_per_batch, evaluator._scorer.head_tile
+    assert narrow[0] < wide[0] and narrow[1][0] * narrow[1][1] < wide[1][0] * wide[1][1], (narrow, wide)
+    assert [p.good_logprob for p in second.pairs] == pytest.approx([p.good_logprob for p in first.pairs], rel=1e-6)
+    scorer = evaluator._scorer
+    evaluator(model)
+    assert evaluator._scorer is scorer  # unchanged options: the same scorer, its plan and method kept

@@ -304,3 +304,40 @@ def test_alerts_fits_and_orders_in_headless_chromium(demo_records, tmp_path):
         assert page.locator("table.order").bounding_box()["height"] > 20 * len(both)
         assert page.evaluate("document.documentElement.scrollWidth") <= 1366
         browser.close()
+
+
+def test_report_no_paired_on_runs_over_different_selections(small_data, tmp_path, capsys):
+    from conftest import tiny_llama, train_bpe
+    from tatblimp_callback import Evaluator
+    from tatblimp_callback.reading.data import load_benchmark
+    from tatblimp_callback.training.reporting import HistoryFile
+
+    tokenizer = train_bpe(vocab_size=300, lines=500)
+    benchmark = load_benchmark(small_data, allow_modified=True)
+    two = Evaluator(tokenizer, benchmark.pick([0, 1]))
+    first = two(tiny_llama(len(tokenizer))).pairs[1].passed_norm
+    # Weights at step 10 under which pair 1 (of the second run only) flips: listed among its lost or learned pairs.
+    seed = next(s for s in range(1, 50) if two(tiny_llama(len(tokenizer), seed=s)).pairs[1].passed_norm != first)
+    histories = []
+    for name, picked in (("one", [0]), ("two", [0, 1])):
+        history = HistoryFile(tmp_path / f"{name}.jsonl")
+        history.start(set())
+        evaluator = Evaluator(tokenizer, benchmark.pick(picked))
+        for step, weights in ((0, 0), (10, seed)):
+            history.append(step, evaluator(tiny_llama(len(tokenizer), seed=weights)))
+        histories.append(str(history.path))
+    out = tmp_path / "report.html"
+    assert main(["report", *histories, "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "cover different pairs" in err and "--no-paired" in err
+    assert main(["report", *histories, "--no-paired", "--output", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert "against one (baseline), pair by pair" not in page  # no pair-by-pair tests between other pairs
+    # Each run's flips between its own steps list its own pairs, with their own sentences.
+    for run, count in (("one", 1), ("two", 2)):
+        block = re.search(rf'<div class="flips" data-run="{run}"[^>]*data-metric="acc_norm">(.*?)</div>', page, re.S).group(1)
+        listed = [int(i) for i in re.findall(r'<li data-pair="(\d+)">', block)]
+        assert set(listed) <= set(range(count))
+        if run == "two":
+            assert 1 in listed
+    assert html_module.escape(benchmark.pick([0, 1]).pairs[1].good) in page

@@ -201,3 +201,21 @@ def test_soft_capped_logits_and_a_head_with_bias(bpe_tokenizer, cache, family):
     scores = scorer.score()
     assert str(scorer.method) == "tree rows, tiled head"
     assert (scores[sample] - reference).abs().max().item() < 1e-4
+
+
+def test_a_sentence_exactly_at_the_context_leaves_room_only_where_a_token_is_generated(bpe_tokenizer, small_data):
+    from tatblimp_callback.engine.model_checks import fit_cache_to_context
+    from tatblimp_callback.engine.vllm_scoring import GENERATED
+
+    cache = build_cache(bpe_tokenizer, small_data, allow_modified=True)
+    longest = max(cache.lengths)
+    assert fit_cache_to_context(cache, longest, truncate=False) is cache  # the default backend: it fits exactly
+    at = sum(length == longest for length in cache.lengths)
+    with pytest.raises(
+        ScoringError,
+        match=rf"{at} of 96 sentences have more tokens than the model's context of {longest} "
+        "less the 1 token generated after each",
+    ):
+        fit_cache_to_context(cache, longest, truncate=False, room=GENERATED)
+    cut = fit_cache_to_context(cache, longest, truncate=True, room=GENERATED)
+    assert max(cut.lengths) == longest - 1 and len(cut.truncated) == at

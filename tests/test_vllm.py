@@ -202,7 +202,9 @@ def test_a_vllm_llm_scores_like_the_default_backend_with_an_eos_prefix_and_bad_i
         with pytest.raises(Exception) as error:
             evaluate(lm, eos_only_tokenizer, small_data, allow_modified=True, **options)
         expected.append(f"{error.type.__name__}: {error.value}")
-    assert report["errors"] == expected
+    # vLLM generates one token after each sentence within its context: a sentence needs one position less there.
+    assert report["errors"][1:] == expected[1:]
+    assert "more tokens than the model's context of 16 less the 1 token generated after each" in report["errors"][0]
     assert "more tokens than the model's context of 16" in expected[0] and "prefix token id 99999" in expected[1]
 
 
@@ -259,3 +261,71 @@ def test_a_real_vllm_server_through_the_endpoint_equals_the_default_backend_with
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+EDGE_WORKER = """
+import json, sys
+
+if __name__ == "__main__":  # vLLM's engine process imports this file again
+    from tatblimp_callback.evaluation import evaluate
+    from transformers import AutoTokenizer
+
+    short, data, out = sys.argv[1:]
+    tokenizer = AutoTokenizer.from_pretrained(short)
+    report = {}
+    try:  # a path: refused before any engine starts
+        evaluate(short, tokenizer, data, allow_modified=True, backend="vllm")
+    except Exception as err:
+        report["path"] = f"{type(err).__name__}: {err}"
+    from vllm import LLM
+
+    llm = LLM(model=short, dtype="float32", max_model_len=16, enforce_eager=True, skip_tokenizer_init=True)
+    try:
+        evaluate(llm, tokenizer, data, allow_modified=True)
+    except Exception as err:
+        report["llm"] = f"{type(err).__name__}: {err}"
+    report["truncated"] = evaluate(llm, tokenizer, data, allow_modified=True, truncate=True).to_dict()
+    json.dump(report, open(out, "w"))
+"""
+
+
+def test_a_sentence_exactly_at_the_context_leaves_vllm_room_for_its_generated_token(bpe_tokenizer, tmp_path):
+    from conftest import reference_logprobs, write_pairs
+
+    short = save_model(tmp_path / "short", bpe_tokenizer, max_position_embeddings=16)
+    ids = lambda text: [bpe_tokenizer.bos_token_id, *bpe_tokenizer(text, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    words = [
+        "Мин",
+        "бүген",
+        "мәктәпкә",
+        "бардым",
+        "һәм",
+        "анда",
+        "бик",
+        "күп",
+        "яңа",
+        "дуслар",
+        "таптым",
+        ",",
+        "алар",
+        "миңа",
+        "ярдәм",
+        "иттеләр",
+    ]
+    at_context = next(" ".join(words[:n]) for n in range(1, len(words)) if len(ids(" ".join(words[:n]))) == 16)
+    shorter = " ".join(at_context.split()[:-2])
+    data = write_pairs(tmp_path / "edge.jsonl", [{"good": at_context, "bad": shorter, "phenomenon": "edge"}])
+    (tmp_path / "worker.py").write_text(EDGE_WORKER)
+    done = run_vllm("worker.py", str(short), str(data), "out.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out.json").read_text())
+    message = "1 of 2 sentences have more tokens than the model's context of 16 less the 1 token generated after each"
+    assert report["path"].startswith(f"ScoringError: {message}") and report["llm"].startswith(f"ScoringError: {message}")
+    # With truncate: cut to 15 tokens, and scored as the default backend scores those 15.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(short).eval()
+    pair = report["truncated"]["pairs"][0]
+    assert (pair["good_tokens"], report["truncated"]["truncated_sentences"]) == (14, 1)
+    expected = reference_logprobs(model, [ids(at_context)[:15], ids(shorter)])
+    assert [pair["good_logprob"], pair["bad_logprob"]] == pytest.approx(expected, rel=1e-4)

@@ -146,6 +146,11 @@ def _from_prompt_logprobs(choice: dict, count: int) -> tuple[list[int | None], l
     return scored, values
 
 
+def _head(tokens: list[Any]) -> str:
+    """The first few of a reply's tokens, to name the request it answers."""
+    return ", ".join(map(str, tokens[:6])) + (", ..." if len(tokens) > 6 else "")
+
+
 def _as_id(key: Any) -> int | None:
     try:
         return int(key)
@@ -159,6 +164,11 @@ def _from_logprobs(choice: dict, count: int, endpoint: str) -> tuple[list[int | 
     tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
     if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) < count:
         raise EndpointError(f"{endpoint}: the reply echoes no log-prob for each prompt token (no echo, no prompt_logprobs)")
+    if len(values) != len(tokens):  # which token a value belongs to is unknown: none of them can be trusted
+        raise EndpointError(
+            f"{endpoint}: the reply to the request for {count} token ids ({_head(tokens[:count])}) has "
+            f"{len(values)} token_logprobs for {len(tokens)} tokens"
+        )
     scored: list[int | None] = []
     for token in tokens[:count]:
         if not (isinstance(token, str) and token.startswith("token_id:") and token[9:].lstrip("-").isdigit()):

@@ -4,7 +4,7 @@ Before any forward pass: weights that exist (not on the meta device), an embeddi
 every token id, sequences that fit the model's context. For the choice of the scoring method: which
 4D mask its attention takes, whether its forward reads ``position_ids`` at all (prefix-tree and
 packed rows depend on them), and a cheap fingerprint of its weights that says when they have
-moved enough to check the method again.
+moved enough to check the method again; and ``weights_label``, which names every bit of the weights.
 """
 
 from __future__ import annotations
@@ -133,13 +133,15 @@ def has_missing_weights(lm: torch.nn.Module) -> bool:
 
 def input_device(lm: torch.nn.Module) -> torch.device:
     """Where the model takes its input ids: the input embeddings' device, or the device accelerate's hook
-    runs them on (a ``device_map`` with offload leaves the weight on the meta device)."""
+    runs them on (a ``device_map`` with offload leaves the weight on the meta device); for input embeddings
+    without a weight (a ``CallableLM``'s declared vocabulary), the model's first parameter's."""
     embedding = lm.get_input_embeddings()
     hook = getattr(embedding, "_hf_hook", None)
     execution = getattr(hook, "execution_device", None)
     if execution is not None:
         return torch.device("cpu" if execution == "disk" else execution)
-    return embedding.weight.device
+    weight = getattr(embedding, "weight", None)
+    return weight.device if isinstance(weight, torch.Tensor) else next(lm.parameters()).device
 
 
 def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) -> SentenceCache:
@@ -150,26 +152,32 @@ def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) ->
     return fit_cache_to_context(cache, getattr(lm.config, "max_position_embeddings", None), truncate)
 
 
-def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bool) -> SentenceCache:
-    """``fit_to_context`` for a model whose context is ``context`` tokens (None: unlimited)."""
+def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bool, room: int = 0) -> SentenceCache:
+    """``fit_to_context`` for a model whose context is ``context`` tokens (None: unlimited), leaving ``room``
+    positions after each sequence (vLLM generates one token after every prompt, within its context)."""
     longest = max(cache.lengths)
-    if context is None or longest <= context:
+    if context is None or longest <= context - room:
         return cache
+    if room:
+        what = f"the model's context of {context} less the {room} token generated after each"
+        context -= room
+    else:
+        what = f"the model's context of {context}"
     k = cache.lengths.index(longest)
     if cache.answer_ids:
         raise ScoringError(
             f"forced-choice item {k} (pair {k // 2}, {'good' if k % 2 == 0 else 'bad'}_first) has {longest} prompt "
-            f"tokens, more than the model's context of {context}; a prompt cannot be cut without losing the question"
+            f"tokens, more than {what}; a prompt cannot be cut without losing the question"
         )
     if not truncate:
         too_long = sum(length > context for length in cache.lengths)
         raise ScoringError(
-            f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than the model's context of {context} "
+            f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than {what} "
             f"(the longest, pair {k // 2}'s {'good' if k % 2 == 0 else 'bad'} sentence, has {longest}); "
             "pass truncate=True (tatblimp: --truncate) to cut them"
         )
     cut = cache.cut_to(context)
-    logger.warning("tatblimp: %d sentences cut to the model's context of %d tokens", len(cut.truncated), context)
+    logger.warning("tatblimp: %d sentences cut to %d tokens (%s)", len(cut.truncated), context, what)
     return cut
 
 
@@ -212,26 +220,74 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
 
 
 def weights_label(lm: torch.nn.Module) -> str | None:
-    """16 hex digits that name the model's weights as they are now: a hash of ``weight_fingerprint`` and of
-    every weight tensor's sum (so a change outside the sampled values shows too); one read of the weights.
+    """16 hex digits that name the model's weights as they are now: every bit of every parameter and buffer,
+    with their names, dtypes and shapes, hashed with sha256 (``tensor_digest``).
 
-    Equal labels: the same weights, bit for bit, in all but astronomically unlikely cases. Of a sharded
-    weight, this process's shard (DeepSpeed ZeRO-3's partition); None when this process holds none.
+    Two models whose weights differ in any bit get different labels (on an accelerator, several changed values
+    that cancel out have a chance of 2**-64 of passing). Of a sharded weight, this process's shard (DeepSpeed
+    ZeRO-3's partition); None when this process holds none.
     """
-    sums = []
-    for parameter in lm.parameters():
-        if parameter.is_meta:  # offloaded by a device map: the label names the weights held in memory
+    digest = hashlib.sha256()
+    held = False
+    for name, tensor in [*lm.named_parameters(), *lm.named_buffers()]:
+        if tensor.is_meta:  # offloaded by a device map: the label names the weights held in memory
             continue
-        local = getattr(parameter, "ds_tensor", None)
+        local = getattr(tensor, "ds_tensor", None)
         if local is None:
-            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-        if local.numel() and local.is_floating_point():
-            sums.append(local.detach().sum(dtype=torch.float64).reshape(1).cpu())
-    if not sums:
-        return None
-    digest = hashlib.sha256(weight_fingerprint(lm).numpy().tobytes())
-    digest.update(torch.cat(sums).numpy().tobytes())
-    return digest.hexdigest()[:16]
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if not local.numel():
+            continue
+        held = held or local.is_floating_point()
+        digest.update(f"{name}:{local.dtype}:{tuple(local.shape)}:".encode())
+        digest.update(tensor_digest(local))
+    return digest.hexdigest()[:16] if held else None
+
+
+DIGEST_CHUNK = 1 << 22  # values per partial sum of ``device_digest``
+_MULTIPLIERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """A digest of every bit of ``tensor``: on the CPU the sha256 of its bytes; elsewhere ``device_digest``,
+    computed where the tensor is (copying a model's weights to the host would cost more than scoring it)."""
+    words = _words(tensor)
+    if words.device.type == "cpu":
+        return hashlib.sha256(words.numpy()).digest()
+    return device_digest(words).numpy().tobytes()
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes, flat, as 16-bit words (8-bit for an odd byte count or an odd address)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int16) if raw.numel() % 2 == 0 and raw.data_ptr() % 2 == 0 else raw
+
+
+def device_digest(words: torch.Tensor) -> torch.Tensor:
+    """An int64 per ``DIGEST_CHUNK`` words (on the CPU): the sum, wrapping mod 2**64, of each word times a
+    pseudo-random odd multiplier of its position. A change of any one word changes its chunk's sum (an odd
+    number times a nonzero difference below 2**16 is never 0 mod 2**64); several cancel with a chance of 2**-64.
+    """
+    multipliers = _multipliers(words.device)
+    sums = [
+        (words[start : start + DIGEST_CHUNK].long() * multipliers[: min(DIGEST_CHUNK, words.numel() - start)]).sum()
+        for start in range(0, words.numel(), DIGEST_CHUNK)
+    ]
+    return torch.stack(sums).cpu()
+
+
+def _multipliers(device: torch.device) -> torch.Tensor:
+    """``DIGEST_CHUNK`` odd int64 multipliers (splitmix64 of the position), made once per device."""
+    if device not in _MULTIPLIERS:
+        z = torch.arange(DIGEST_CHUNK, dtype=torch.int64, device=device) * -7046029254386353131  # 0x9E3779B97F4A7C15
+        z = (z ^ _shift_right(z, 30)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+        z = (z ^ _shift_right(z, 27)) * -7723592293110705685  # 0x94D049BB133111EB
+        _MULTIPLIERS[device] = (z ^ _shift_right(z, 31)) | 1
+    return _MULTIPLIERS[device]
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical (unsigned) right shift of int64 values; torch's ``>>`` is arithmetic."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:

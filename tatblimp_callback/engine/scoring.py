@@ -44,6 +44,7 @@ from .model_checks import (
     tree_mask_dtype,
     unwrap_model,
 )
+from .model_state import scoring_mode
 from .packing import Batch, Layout, TokenSequences, build_layout
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .tiled_head import head_tile, plain_head_weight
@@ -171,7 +172,6 @@ class Scorer:
         # input_device, not the first weight's: offloaded to disk (device_map) that weight is on the meta device.
         return model is self.model and input_device(self.lm) == self.cache.device and weight.dtype == self._built_dtype
 
-    @torch.no_grad()
     def score(self, sequences: range | list[int] | None = None) -> torch.Tensor:
         """The log-probs of every cached sequence (float64, on the CPU), in cache order.
 
@@ -179,7 +179,8 @@ class Scorer:
         (``cache.answer_ids``): ``[prompts, answers]``, each answer token's log-prob after the prompt.
         ``sequences``: score only these (the others are 0), e.g. one suite of several in the cache.
 
-        The model is put in eval mode and back in the mode it was in, also on Ctrl-C. On
+        The model is put in eval mode without gradients and back as it was found (each module's own mode,
+        the random generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C. On
         out-of-memory the memory budget is halved and the evaluation retried, down to a floor
         (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller
         budget. Sequences that come out NaN or inf are scored again on rows of their own, so that
@@ -194,15 +195,12 @@ class Scorer:
             torch.OutOfMemoryError: still out of memory at the smallest budget.
             PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
-        was_training = self.model.training
-        self.model.eval()
         try:
-            with distributed.shared_failures():
+            with scoring_mode(self.model), distributed.shared_failures():
                 return retry_out_of_memory(
                     lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
                 )
         finally:
-            self.model.train(was_training)
             release_freed_memory(self.cache.device)
 
     def _set_budget(self, budget: int, retrying: bool) -> None:

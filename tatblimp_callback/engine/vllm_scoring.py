@@ -29,6 +29,10 @@ from .model_checks import ScoringError, check_vocabulary, fit_cache_to_context
 
 logger = logging.getLogger(__name__)
 
+# vLLM generates at least one token after every prompt (max_tokens=1), and refuses a prompt that leaves it no
+# room within max_model_len: a sentence of the model's full context is scored by the default backend only.
+GENERATED = 1
+
 BACKENDS = ("transformers", "vllm")
 INSTALL_HINT = (
     "scoring with backend='vllm' (tatblimp: --backend vllm) needs vLLM: pip install 'tatblimp-callback[vllm]' "
@@ -146,7 +150,7 @@ class VllmScorer:
             self.llm, self._owned = model, False
             config = model.llm_engine.model_config
             check_vocabulary(cache, config.get_vocab_size())
-            self.cache = fit_cache_to_context(cache.to("cpu"), config.max_model_len, truncate)
+            self.cache = fit_cache_to_context(cache.to("cpu"), config.max_model_len, truncate, room=GENERATED)
         else:
             if not isinstance(model, (str, os.PathLike)):
                 raise TypeError(f"backend='vllm' takes a model folder, a Hub id or a vllm.LLM, got {type(model).__name__}")
@@ -154,7 +158,7 @@ class VllmScorer:
             check_vocabulary(cache, vocab_size)
             if self.options.max_model_len is not None:
                 context = min(context or self.options.max_model_len, self.options.max_model_len)
-            self.cache = fit_cache_to_context(cache.to("cpu"), context, truncate)
+            self.cache = fit_cache_to_context(cache.to("cpu"), context, truncate, room=GENERATED)
             self.llm, self._owned = self._start(os.fspath(model), context), True
         self._ids = self.cache.token_ids.tolist()
         self._offsets = self.cache.offsets.tolist()
@@ -163,8 +167,8 @@ class VllmScorer:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        # One generated token follows every prompt; the engine needs room for it only where the model has it.
-        needed = max(self.cache.lengths) + 1
+        # One generated token follows every prompt, within max_model_len (the cache was fitted to leave it room).
+        needed = max(self.cache.lengths) + GENERATED
         max_model_len = self.options.max_model_len or (min(needed, context) if context else needed)
         arguments = {
             "model": model,

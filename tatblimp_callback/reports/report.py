@@ -20,6 +20,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from ..reading.identity import record_fingerprint
 from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.flips import Flips, flips, pair_sentences, sweep_flips
@@ -317,15 +318,31 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
             '<div class="meta">Lost: passed at the first step, failed at the last; learned: the reverse. Click a count for '
             "the pairs. The paired tests are exact McNemar tests on those pairs, BH-adjusted over the phenomena.</div>"
         )
-        body += [_between_steps(run, steps, sentences, details if run is runs[0] else None) for run in sweeps]
+        own = {run.label: _own_sentences(run, runs[0], sentences) for run in sweeps}
+        body += [_between_steps(run, steps, own[run.label], details if run is runs[0] else None) for run in sweeps]
         body.append("<h2>Pairs never learned, and unstable pairs</h2>")
         body.append(
             '<div class="meta">Never learned: failed acc_norm at every evaluation. Unstable: the outcome changed more than twice.</div>'
         )
-        body += [_never_and_unstable(run, sentences, details if run is runs[0] else None) for run in sweeps]
+        body += [_never_and_unstable(run, own[run.label], details if run is runs[0] else None) for run in sweeps]
     if sentences is None:
         body.append('<p class="meta">Sentences are not shown: the benchmark file was not found (tatblimp report --data).</p>')
     return body
+
+
+def _own_sentences(run: Run, first: Run, sentences):
+    """The sentences of ``run``'s own pairs: the first run's (``sentences``) where it scored the same pairs,
+    else read again for its own record (``--no-paired`` on runs of other files or selections)."""
+    identities = [
+        (
+            r.record.get("benchmark", {}).get("md5"),
+            r.record.get("selection"),
+            record_fingerprint(r.record),
+            len(r.outcomes.acc_norm),
+        )
+        for r in (run, first)
+    ]
+    return sentences if run is first or identities[0] == identities[1] else pair_sentences(run.record)
 
 
 def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Path:

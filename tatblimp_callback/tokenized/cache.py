@@ -206,7 +206,8 @@ def build_cache(
         except Exception:  # an unreadable or foreign file is rebuilt, never trusted
             cached = None
         if cached is not None and cached.fingerprint == fingerprint:
-            return cached
+            # The same pairs and tokens, but this run's identity: the file may have moved, a selection kept them all.
+            return replace(cached, **benchmark_identity(benchmark))
 
     sentences = benchmark.sentences
     encoded = encode_sentences(tokenizer, sentences, prefix)
@@ -279,15 +280,24 @@ def cache_from_token_lists(encoded: list[list[int]], benchmark: Benchmark, texts
         ),
         phenomena=phenomena,
         subtypes=subtypes,
-        benchmark_source=benchmark.source,
-        benchmark_md5=benchmark.md5,
-        benchmark_release=benchmark.release,
-        benchmark_selection=benchmark.selection,
-        benchmark_fingerprint=benchmark.fingerprint,
-        benchmark_columns=getattr(benchmark, "columns", None),
         sentences=benchmark.sentences,
+        **benchmark_identity(benchmark),
         **fields,
     )
+
+
+def benchmark_identity(benchmark: Benchmark) -> dict[str, Any]:
+    """The fields that say which benchmark a cache's results belong to (its path, md5, release, selection,
+    fingerprint, columns), always the current run's: a cache loaded from a file takes them from ``benchmark``,
+    not from the run that saved it."""
+    return {
+        "benchmark_source": benchmark.source,
+        "benchmark_md5": benchmark.md5,
+        "benchmark_release": benchmark.release,
+        "benchmark_selection": benchmark.selection,
+        "benchmark_fingerprint": benchmark.fingerprint,
+        "benchmark_columns": getattr(benchmark, "columns", None),
+    }
 
 
 def concat_caches(caches: list[SentenceCache]) -> SentenceCache:

@@ -36,7 +36,7 @@ from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .in_loop import InLoopMonitor, MonitoredResults
-from .suite_schedule import check_suite_options, missing_metric_placeholder, never_logged
+from .suite_schedule import check_suite_options, never_logged, unscored_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
                     args.metric_for_best_model,
                     ", ".join(sorted(k.removeprefix("eval_") for k in added if k.startswith(wanted.split("/")[0]))[:4]),
                 )
-            added.update(missing_metric_placeholder(wanted, added))
+            added.update(unscored_placeholders([wanted], added))
         logs.update(added)
         if copy is not None:
             copy.update(added)

@@ -20,13 +20,14 @@ from typing import Any
 from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
 from ..engine import distributed
 from ..engine.model_checks import unwrap_model, weights_label
+from ..engine.model_state import rng_preserved
 from ..evaluation import Evaluator
 from ..results.curves import acquisition_steps
 from ..results.learning import LearningSummary
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .alerts import RegressionAlerts
-from .monitoring_errors import ErrorLog, rng_preserved
+from .monitoring_errors import ErrorLog
 from .suite_schedule import suite_history_files, suites_due
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class InLoopMonitor:
         self._last_step = ours[-1]["step"] if ours else None
         self._last_weights: str | None = _RESTORED if ours else None  # the label of the weights tried at _last_step
         self._last_metrics = {k: v for k, v in ours[-1].items() if k != "step"} if ours else {}
+        # Every point recorded ({"step": ..., **metrics}, failures included), on every process alike: the state a
+        # framework checkpoints (Lightning's).
+        self.points = [dict(entry) for entry in ours]
         # The metrics of every set of weights scored in this run, by weights label: a step is not a set of
         # weights (load_best_model_at_end loads other weights at the same step). Restored entries have no label.
         self._by_weights: dict[str, dict[str, float]] = {}
@@ -94,7 +98,7 @@ class InLoopMonitor:
                 self.history_file = None
         self.suite_history_files = suite_history_files(self.history_file, self.settings.suites, self.history)
 
-    def finish(self, main: bool = True) -> None:
+    def finish(self, main: bool) -> None:
         """The end of training: the acquisition steps of the history, and the fits and trends (``learning``)."""
         self.acquisition = acquisition_steps(self.history, self.settings.acquisition_threshold, prefix=self.settings.log_prefix)
         self.learning = self.alerts.summary(main)
@@ -161,10 +165,12 @@ class InLoopMonitor:
 
     # -- scoring ----------------------------------------------------------------------------------
 
-    def score(self, model, step: int, publish: Publish, main: bool = True) -> dict[str, float]:
+    def score(self, model, step: int, publish: Publish, *, main: bool) -> dict[str, float]:
         """Score the weights ``model`` holds now (once per set of weights, by ``weights_label``) and record them
         at ``step`` (once per step: ``publish`` on the main process); returns their metrics. Under
-        ``torch.distributed`` every process calls this, with the same ``step``.
+        ``torch.distributed`` every process calls this, with the same ``step``; ``main`` (required: the framework's
+        own word, the Trainer's ``is_world_process_zero``, Lightning's ``is_global_zero``) says whether this process
+        logs: the curve point, the regression alerts' warnings and wandb alerts.
 
         A step is not a set of weights: after ``load_best_model_at_end`` the step is the last one and the
         weights are the best checkpoint's. Weights scored before give their own numbers again, unscored.
@@ -194,6 +200,8 @@ class InLoopMonitor:
         metrics = self._metrics(step, results, fc_results, weights)
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
             metrics.update(self.alerts.observe(step, results, main))
+        elif self.alerts.count:  # a count of the run, as failures: at every point once there are any (never NaN)
+            metrics[f"{self.settings.log_prefix}/alerts"] = float(self.alerts.count)
         self._last_metrics = metrics
         if weights is not None and self.has_results(metrics):  # a failure may pass (out of memory): tried again
             self._by_weights[weights] = metrics
@@ -233,6 +241,8 @@ class InLoopMonitor:
         """The curve point of this step: in ``history``, and published (main process)."""
         if self.has_results(metrics):
             self.history.append({"step": step, **metrics})
+        if metrics:
+            self.points.append({"step": step, **metrics})
         if main and metrics:
             publish(step, metrics, results)
 

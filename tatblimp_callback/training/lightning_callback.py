@@ -47,8 +47,10 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     Each evaluation's metrics are also put in ``trainer.callback_metrics`` (on every rank), before
     ``ModelCheckpoint`` (which Lightning always runs after the other callbacks) and ``EarlyStopping`` (which
     checks at the end of an epoch or a validation run) read them, so either can monitor ``tatblimp/acc_norm``
-    or any logged key, whatever the order of the callbacks. Between evaluations (and after a failed one) the
-    keys keep the last evaluation's values; a resumed run starts with its checkpoint's last values.
+    or any logged key, whatever the order of the callbacks. Between evaluations the keys keep the last
+    evaluation's values (a resumed run starts with its checkpoint's last values); a key that an evaluation did not
+    score (a suite ``suite_every`` skips, a failed evaluation) is NaN from it on, never another step's score.
+    Two callbacks in one Trainer need other ``log_prefix``es (each has its ``state_key``) and ``history_file``s.
 
     Raises:
         ValueError: ``eval_every_n_steps`` is not a whole number of at least 1, or ``protocol`` is unknown
@@ -143,24 +145,28 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
         self._monitor = InLoopMonitor(self)
-        self._entries: list[dict[str, Any]] = []  # every point logged: {"step": ..., **metrics}, the checkpointed state
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None
 
     # -- Lightning events -----------------------------------------------------------------------
 
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint, built from ``log_prefix`` (as ``ModelCheckpoint``'s from
+        its settings): two callbacks with other prefixes coexist in one Trainer, and each restores its own points."""
+        return self._generate_state_key(log_prefix=self.log_prefix)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"entries": [dict(entry) for entry in self._entries]}
+        return {"entries": [dict(entry) for entry in self._monitor.points]}  # the same on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = list(state_dict.get("entries", []))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._entries = self._restored or []
-        self._restored = None
-        self._monitor.start_run(self._entries)
-        for entry in self._entries:  # a resumed run's monitored keys hold its last values from the start
-            expose(trainer, {k: v for k, v in entry.items() if k != "step"})
+        entries, self._restored = self._restored or [], None
+        self._monitor.start_run(entries)
+        for entry in entries:  # a resumed run's monitored keys hold its last values from the start
+            expose(trainer, {k: v for k, v in entry.items() if k != "step"}, self._monitor.is_our_metric)
         warn_about_monitors(trainer, self)
         self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
         if trainer.is_global_zero:
@@ -220,13 +226,13 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         model = unwrap_model(self._find_model(pl_module))
 
         def publish(step: int, metrics: dict[str, float], results: Results | None) -> None:
-            self._entries.append({"step": step, **metrics})  # on every rank: each saves the same state
-            if trainer.is_global_zero:
-                self._log(trainer, step, metrics, results)
+            self._log(trainer, step, metrics, results)
 
         with _root_unsharded(pl_module, model):
-            metrics = self._monitor.score(model, trainer.global_step, publish)
-        expose(trainer, metrics)  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
+            metrics = self._monitor.score(model, trainer.global_step, publish, main=trainer.is_global_zero)
+        expose(
+            trainer, metrics, self._monitor.is_our_metric
+        )  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
         return metrics
 
     def _log(self, trainer, step: int, metrics: dict[str, float], results: Results | None) -> None:

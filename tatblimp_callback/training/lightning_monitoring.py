@@ -6,30 +6,39 @@ Both read a monitored key from ``trainer.callback_metrics``: ``ModelCheckpoint(e
 evaluation), ``ModelCheckpoint`` without it and ``EarlyStopping`` at the end of a training epoch or of a
 validation run (after the batch's hooks). A key missing at a check makes them raise (``EarlyStopping``'s
 ``strict``; ``ModelCheckpoint`` once a validation loop has run) or skip the save silently, so between
-evaluations the keys keep the last evaluation's values.
+evaluations the keys keep the last evaluation's values. At an evaluation, a key of ours it did not score (a
+suite that ``suite_every`` skips, a failed evaluation) is NaN, as in the Trainer callback: never a stale score.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .suite_schedule import suite_period, unscored_placeholders
+
 logger = logging.getLogger(__name__)
 
 
-def expose(trainer, metrics: dict[str, float]) -> None:
-    """Put ``metrics`` in ``trainer.callback_metrics`` (float64 tensors, as the monitors compare tensors); the
-    keys an evaluation did not give (a failed one gives only the failures) keep their values."""
-    trainer.callback_metrics.update({name: torch.tensor(float(value), dtype=torch.float64) for name, value in metrics.items()})
+def expose(trainer, metrics: dict[str, float], is_ours: Callable[[str], bool]) -> None:
+    """Put one evaluation's ``metrics`` in ``trainer.callback_metrics`` (float64 tensors, as the monitors compare
+    tensors), and NaN in each key of ours (``is_ours``) that this evaluation did not score (a suite that
+    ``suite_every`` skips, a failed evaluation): ``suite_schedule.unscored_placeholders``, the Trainer callback's
+    rule too. Between evaluations the keys keep the last one's values."""
+    ours = [name for name in trainer.callback_metrics if is_ours(name)]
+    fresh = {**metrics, **unscored_placeholders(ours, metrics)}
+    trainer.callback_metrics.update({name: torch.tensor(float(value), dtype=torch.float64) for name, value in fresh.items()})
 
 
 def warn_about_monitors(trainer, callback: Any) -> None:
     """Warn (rank 0) about each monitoring callback whose monitored key is one of ``callback``'s but which would
     read it where no evaluation measured the weights: before the first one, or between two (where its schedule
-    is known: ``every_n_train_steps``, or epoch ends of a known length; not validation runs)."""
+    is known: ``every_n_train_steps``, or epoch ends of a known length; not validation runs), or at an evaluation
+    that ``suite_every`` scores without its suite (NaN there)."""
     if not trainer.is_global_zero:
         return
     every = callback.eval_every_n_steps
@@ -56,6 +65,32 @@ def warn_about_monitors(trainer, callback: Any) -> None:
                 steps,
                 every,
             )
+        elif (period := suite_period(callback.suites, callback.suite_every, monitor)) > 1:
+            _warn_about_suite_schedule(name, monitor, each, steps, every, period)
+
+
+def _warn_about_suite_schedule(name: str, monitor: str, each, steps: int | None, every: int, period: int) -> None:
+    """The warnings for a monitored suite key that ``suite_every`` scores at every ``period``-th evaluation only."""
+    suite = monitor.removeprefix("eval_").split("/", 1)[0]
+    if not steps or steps % (every * period):
+        logger.warning(
+            "tatblimp: %s: %s is scored at every %d-th evaluation only (suite_every), every %d steps; at the "
+            "evaluations between, %s is NaN (ModelCheckpoint ranks it the worst); make the checks every %d steps",
+            name,
+            suite,
+            period,
+            every * period,
+            monitor,
+            every * period,
+        )
+    if getattr(each, "check_finite", False):
+        logger.warning(
+            "tatblimp: %s stops training at the first NaN (check_finite=True), and %s is NaN at the evaluations that "
+            "suite_every skips; pass check_finite=False, or suite_every=1 for %s",
+            name,
+            monitor,
+            suite,
+        )
 
 
 def _reads_every(trainer, each) -> int | None:

@@ -1,5 +1,5 @@
 """What a monitoring error does to a training run: nothing but a log line and a count (unless the user asks
-for ``raise_on_error``), and the random number generators left as they were.
+for ``raise_on_error``); the random number generators are left as they were by ``engine.model_state``.
 
 An error is logged with its traceback the first time; the same error again (a setting that cannot change,
 such as a context shorter than the longest sentence) gets one line per evaluation, not another traceback.
@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-
-import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +47,3 @@ def _source(source: Any) -> Any:
     while isinstance(source, functools.partial):
         source = source.func
     return source
-
-
-@contextmanager
-def rng_preserved() -> Iterator[None]:
-    """Restore Python's, numpy's, torch's and (if in use) CUDA's random number generators on leaving."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        yield
-    finally:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state_all(state["cuda"])

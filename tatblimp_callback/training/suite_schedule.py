@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from . import reporting
@@ -23,18 +24,29 @@ def check_suite_options(suites: dict[str, Any] | None, suite_every: int | dict[s
         raise ValueError("suites= are scored by log-probs: use protocol 'logprob' or 'both'")
 
 
+def suite_period(suites: dict[str, Any] | None, suite_every: int | dict[str, int], key: str) -> int:
+    """Every how many evaluations the logged ``key`` is scored: its suite's k (``suite_every``), else 1."""
+    name = key.removeprefix("eval_").split("/", 1)[0]
+    if name not in (suites or {}):
+        return 1
+    return suite_every.get(name, 1) if isinstance(suite_every, dict) else suite_every
+
+
 def suites_due(suites: dict[str, Any] | None, suite_every: int | dict[str, int], evaluation: int) -> list[str]:
     """The suites the ``evaluation``-th evaluation (from 0) scores: those whose k (``suite_every``) divides it."""
     every = suite_every if isinstance(suite_every, dict) else dict.fromkeys(suites or {}, suite_every)
     return [name for name in suites or {} if evaluation % every.get(name, 1) == 0]
 
 
-def missing_metric_placeholder(wanted: str, metrics: dict[str, float]) -> dict[str, float]:
-    """``{wanted: NaN}`` when this evaluation's ``metrics`` lack ``wanted``, the key the Trainer will look up
-    (``metric_for_best_model``): a suite that ``suite_every`` skips here, or scoring that failed. NaN is never
-    the best (both ``np.greater`` and ``np.less`` are False on it, whatever ``greater_is_better``), and the
-    Trainer's ``KeyError`` would end the run."""
-    return {} if wanted in metrics else {wanted: float("nan")}
+def unscored_placeholders(monitored: Iterable[str], metrics: dict[str, float]) -> dict[str, float]:
+    """The one rule of what a monitored key holds after an evaluation, for both callbacks: its value where this
+    evaluation's ``metrics`` have it, else NaN: a suite that ``suite_every`` skips here, or scoring that failed.
+    Returns ``{key: NaN}`` for each key of ``monitored`` missing from ``metrics``.
+
+    NaN is never the best: the Trainer's ``np.greater`` and ``np.less`` are False on it, Lightning's
+    ``ModelCheckpoint`` ranks it as the worst; a stale value would rank these weights by other weights' score
+    (and the Trainer's ``KeyError`` on a missing ``metric_for_best_model`` would end the run)."""
+    return {key: float("nan") for key in monitored if key not in metrics}
 
 
 def never_logged(wanted: str, metrics: dict[str, float]) -> bool:
