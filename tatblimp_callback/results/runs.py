@@ -131,7 +131,16 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
         records.append(record)
     if not records:
         raise CompareError(f"{path}: holds no results")
-    return sorted(records, key=lambda r: r["step"])  # stable: of two lines with one step, the later stays later
+    return sorted(without_replaced(records), key=lambda r: r["step"])  # stable: of two lines with one step, the later stays later
+
+
+def without_replaced(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` without those a later record replaced: a Hub revision re-uploaded and scored again names, in its
+    ``replaces``, each name's earlier commit, whose record then leaves the curve."""
+    replaced = {(name, commit) for record in records for name, commit in record.get("replaces", {}).items()}
+    if not replaced:
+        return records
+    return [r for r in records if not any((name, r.get("commit")) in replaced for name in r.get("revisions", ()))]
 
 
 def _check_record(record: Any, where: str) -> None:
