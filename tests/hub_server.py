@@ -48,7 +48,11 @@ class FakeHub:
 
     def commit(self, repo: str, folder: Path | dict[str, bytes], salt: str = "") -> str:
         """Add a commit holding ``folder``'s files (or the given bytes); its sha (40 hex digits)."""
-        files = folder if isinstance(folder, dict) else {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+        files = (
+            folder
+            if isinstance(folder, dict)
+            else {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+        )
         digest = hashlib.sha1(salt.encode())
         for name in sorted(files):
             digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
@@ -64,7 +68,11 @@ class FakeHub:
     def files_fetched(self, repo: str) -> list[tuple[str, str]]:
         """(revision, file) of every GET of a file's bytes, in order."""
         prefix = f"/{repo}/resolve/"
-        return [tuple(path[len(prefix) :].split("/", 1)) for method, path in self.requests if method == "GET" and path.startswith(prefix)]
+        return [
+            tuple(path[len(prefix) :].split("/", 1))
+            for method, path in self.requests
+            if method == "GET" and path.startswith(prefix)
+        ]
 
     def resolve(self, repo: str, rev: str) -> str | None:
         if rev in self.commits.get(repo, {}):
@@ -131,7 +139,9 @@ def _handler(hub: FakeHub):
                 return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
             files = hub.commits[repo][sha]
             if route == "/revision/":
-                return self._json({"id": repo, "modelId": repo, "sha": sha, "siblings": [{"rfilename": n} for n in sorted(files)]})
+                return self._json(
+                    {"id": repo, "modelId": repo, "sha": sha, "siblings": [{"rfilename": n} for n in sorted(files)]}
+                )
             entries = []
             for name in sorted(files):
                 entry = {"type": "file", "path": name, "size": len(files[name]), "oid": hashlib.sha1(files[name]).hexdigest()}
@@ -145,7 +155,9 @@ def _handler(hub: FakeHub):
 
         def _error(self, status: int, code: str, message: str):
             data = json.dumps({"error": message}).encode()
-            self._send(status, data, "application/json", {"X-Error-Code": code, "X-Error-Message": message}, self.command == "GET")
+            self._send(
+                status, data, "application/json", {"X-Error-Code": code, "X-Error-Message": message}, self.command == "GET"
+            )
 
         def _send(self, status: int, data: bytes, kind: str, headers: dict[str, str], body: bool):
             self.send_response(status)
@@ -153,6 +165,8 @@ def _handler(hub: FakeHub):
             self.send_header("Content-Length", str(len(data)))
             for key, value in headers.items():
                 self.send_header(key, value)
+            self.send_header("Connection", "close")  # no kept-alive connection outlives stop()
+            self.close_connection = True
             self.end_headers()
             if body:
                 self.wfile.write(data)

@@ -18,6 +18,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from ..results.runs import HUB_SWEEP_SUFFIX as RESULTS_SUFFIX
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import SweepError
 from .revision_downloads import Prefetcher, RevisionFiles
@@ -26,7 +27,6 @@ from .sweep_records import read_records
 
 logger = logging.getLogger(__name__)
 
-RESULTS_SUFFIX = ".tatblimp.jsonl"
 FAILURES_SUFFIX = ".tatblimp-failures.jsonl"
 
 

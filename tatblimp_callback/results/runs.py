@@ -21,6 +21,7 @@ from .stats import Outcomes
 logger = logging.getLogger(__name__)
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
+HUB_SWEEP_SUFFIX = ".tatblimp.jsonl"  # a sweep of a Hub repository's revisions, labelled by the name before it
 
 
 class CompareError(ValueError):
@@ -95,6 +96,8 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise CompareError(f"{path}: cannot read ({err.strerror or err})") from None
+    if not label and path.name.endswith(HUB_SWEEP_SUFFIX):  # a sweep of Hub revisions: org--name.tatblimp.jsonl
+        label = path.name.removesuffix(HUB_SWEEP_SUFFIX)
     label = label or (path.parent.name if path.name in JSONL_NAMES and path.parent.name else path.stem)
     try:
         whole = json.loads(text)
