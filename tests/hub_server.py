@@ -30,6 +30,7 @@ class FakeHub:
         self.refs: dict[str, dict[str, str]] = {}  # repo -> name -> sha
         self.tags: dict[str, set[str]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.held: dict[str, threading.Event] = {}  # commit -> its files are served once the event is set
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -107,6 +108,8 @@ def _handler(hub: FakeHub):
                 files = hub.commits[repo][sha]
                 if filename not in files:
                     return self._error(404, "EntryNotFound", f"{filename} not found")
+                if body and sha in hub.held:  # a slow download: the bytes come when the test lets them
+                    hub.held[sha].wait()
                 data = files[filename]
                 headers = {"ETag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Repo-Commit": sha}
                 return self._send(200, data, "application/octet-stream", headers, body)
@@ -169,6 +172,9 @@ def _handler(hub: FakeHub):
             self.close_connection = True
             self.end_headers()
             if body:
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client went away (Ctrl-C, a timeout)
+                    pass
 
     return Handler

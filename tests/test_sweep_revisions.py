@@ -1,13 +1,18 @@
 """``tatblimp sweep HUB_ID --revisions PATTERN``: a real huggingface_hub client against a local Hub (``hub_server``).
 
-The client is pointed at the server the way ``HF_ENDPOINT`` does when huggingface_hub is imported (its constants),
-with offline mode off and a cache of the test's own; the subprocess tests (``test_sweep_revisions_processes.py``)
-set the environment variables themselves.
+In this process the client is pointed at the server the way ``HF_ENDPOINT`` does when huggingface_hub is imported
+(its constants), with offline mode off and a cache of the test's own; the tests in processes of their own (Ctrl-C
+and a rerun, two torchrun processes) set the environment variables, as a user does.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -314,3 +319,100 @@ def test_the_hub_probe_asks_a_custom_endpoint_once_and_says_when_it_is_gone(hub,
         from tatblimp_callback.commands.revisions import list_revisions
 
         list_revisions(REPO)
+
+
+# -- in processes of their own --------------------------------------------------------------------
+
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+BIN = Path(sys.executable).parent
+TIMEOUT = 300
+
+
+@pytest.fixture
+def server():
+    hub = FakeHub().start()
+    yield hub
+    for event in hub.held.values():
+        event.set()
+    hub.stop()
+
+
+def environment(server: FakeHub, tmp_path: Path) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in ("TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE")}
+    env.update(
+        HF_ENDPOINT=server.endpoint,
+        HF_HUB_OFFLINE="0",
+        HF_HUB_CACHE=str(tmp_path / "hf-cache"),
+        PYTHONPATH=PACKAGE_ROOT,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def sweep_arguments(small_data: Path, *extra: str) -> list[str]:
+    return ["sweep", REPO, "--revisions", "step*", "--data", str(small_data), "--allow-modified", "--no-progress", *extra]
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_a_rerun_scores_each_commit_once(server, model_folders, expected, small_data, tmp_path):
+    shas = publish(server, model_folders, {f"step{seed}": seed for seed in (1, 2, 3)})
+    server.held[shas["step2"]] = threading.Event()  # step2's download hangs until the test lets it go
+    # A shell without job control starts background jobs with SIGINT ignored: the child puts Python's handler back.
+    start = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); from tatblimp_callback.cli import main"
+    python = [sys.executable, "-c", f"{start}; sys.exit(main(sys.argv[1:]))"]
+    env = environment(server, tmp_path)
+    process = subprocess.Popen(
+        [*python, *sweep_arguments(small_data)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    results = tmp_path / hub_results()
+    deadline = time.monotonic() + TIMEOUT
+    while process.poll() is None and time.monotonic() < deadline:
+        if results.exists() and len(lines(results)) == 1 and ("step2", "model.safetensors") in server.files_fetched(REPO):
+            break
+        time.sleep(0.1)
+    assert process.poll() is None, process.communicate()[1][-3000:]
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)  # not held up by the download thread
+    assert process.returncode == 130 and "tatblimp: interrupted" in err, err[-3000:]
+    assert [r["checkpoint"] for r in lines(results)] == ["step1"]
+
+    server.held[shas["step2"]].set()
+    done = subprocess.run(
+        [sys.executable, "-m", "tatblimp_callback", *sweep_arguments(small_data)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 revision(s) scored, 1 already in" in done.stdout
+    written = lines(results)
+    assert [(r["checkpoint"], r["commit"]) for r in written] == [(f"step{s}", shas[f"step{s}"]) for s in (1, 2, 3)]
+    for record, seed in zip(written, (1, 2, 3)):
+        assert_scores(record, expected[seed])
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_each_fetch_only_the_revisions_they_score(server, model_folders, expected, small_data, tmp_path):
+    shas = publish(server, model_folders, {f"step{seed}": seed for seed in (1, 2, 3, 4)})
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "tatblimp_callback"]
+    done = subprocess.run(
+        [*torchrun, *sweep_arguments(small_data, "--keep-downloads", "no")],
+        cwd=tmp_path,
+        env=environment(server, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("revision(s) scored") == 1 and "4 revision(s) scored" in done.stdout
+    written = lines(tmp_path / hub_results())
+    assert [(r["checkpoint"], r["commit"]) for r in written] == [(f"step{s}", shas[f"step{s}"]) for s in (1, 2, 3, 4)]
+    for record, seed in zip(written, (1, 2, 3, 4)):
+        assert_scores(record, expected[seed])
+    # Each revision's weights fetched once (into the folder of the process that scored it), and none left.
+    weights = [sha for sha, name in server.files_fetched(REPO) if name == "model.safetensors"]
+    assert sorted(weights) == sorted(shas.values())
+    assert [p for p in (tmp_path / ".tatblimp-downloads").rglob("*") if p.is_file()] == []

@@ -60,17 +60,23 @@ class RevisionFiles:
         self.from_cache = hub_offline() or hub_unreachable() is not None
 
     def fetch(self, name: str, commit: str) -> Path:
-        """The folder holding revision ``name``'s files, at ``commit``."""
+        """The folder holding revision ``name``'s files, at ``commit``.
+
+        The files are fetched one after the other on the calling thread (``hf_hub_download``; no pool of threads of
+        its own, which would hold up Ctrl-C until a download ends).
+        """
         if self.from_cache:
             return self._cached(name, commit)
-        from huggingface_hub import HfApi, snapshot_download
+        from huggingface_hub import HfApi, hf_hub_download
 
-        files = needed_files(HfApi().list_repo_files(self.repo_id, revision=commit), self.trust_remote_code)
-        options = {"allow_patterns": files, "tqdm_class": _Silent}
-        if not self.keep:
-            return Path(snapshot_download(self.repo_id, revision=commit, local_dir=self.downloads / commit, **options))
-        folder = Path(snapshot_download(self.repo_id, revision=name, **options))
-        if folder.name != commit:
+        folder, quiet = None, {"tqdm_class": _silent_bar()}  # the sweep's own bar says how far it is
+        for filename in needed_files(HfApi().list_repo_files(self.repo_id, revision=commit), self.trust_remote_code):
+            if not self.keep:
+                path = hf_hub_download(self.repo_id, filename, revision=commit, local_dir=self.downloads / commit, **quiet)
+            else:  # by name, so that the cache's refs/<name> finds it again offline
+                path = hf_hub_download(self.repo_id, filename, revision=name, **quiet)
+            folder = Path(path).parent
+        if self.keep and folder.name != commit:
             raise RevisionFilesError(f"now at commit {folder.name[:12]}, listed at {commit[:12]}: re-uploaded during the sweep")
         return folder
 
@@ -93,26 +99,20 @@ class RevisionFiles:
             return
         from huggingface_hub import constants, scan_cache_dir
 
-        scan_cache_dir(constants.HF_HUB_CACHE).delete_revisions(commit).execute()  # the snapshot, and the blobs no other snapshot uses
+        scan_cache_dir(constants.HF_HUB_CACHE).delete_revisions(
+            commit
+        ).execute()  # the snapshot, and the blobs no other snapshot uses
 
 
-class _Silent:
-    """A progress bar class that shows nothing: the sweep has its own bar."""
+def _silent_bar() -> type:
+    """huggingface_hub's progress bar class, never shown."""
+    from huggingface_hub.utils.tqdm import tqdm
 
-    def __init__(self, *args, **kwargs):
-        self.n, self.total = 0, kwargs.get("total")
+    class SilentBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
 
-    def update(self, n=1):
-        self.n += n or 0
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return SilentBar
 
 
 class Prefetcher:
