@@ -14,6 +14,7 @@ Every request is logged (``FakeHub.requests``), so that tests can say what was d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -172,9 +173,7 @@ def _handler(hub: FakeHub):
             self.close_connection = True
             self.end_headers()
             if body:
-                try:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client went away (Ctrl-C, a timeout)
                     self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # the client went away (Ctrl-C, a timeout)
-                    pass
 
     return Handler

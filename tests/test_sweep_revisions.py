@@ -32,26 +32,28 @@ COMPARED = ("acc", "acc_norm", "bits_per_byte_good", "tokens_per_byte", "tokens"
 
 
 @pytest.fixture(scope="module")
-def model_folders(tmp_path_factory, bpe_tokenizer):
-    """Tiny random Llamas (one a seed) saved with the tokenizer, as a revision's files are uploaded."""
+def model_folders(tmp_path_factory, bpe_tokenizer, eos_only_tokenizer):
+    """Tiny random Llamas (one a seed) saved with the tokenizer, as a revision's files are uploaded; ``eos4`` is
+    seed 4 with another tokenizer (no BOS)."""
     root = tmp_path_factory.mktemp("models")
     for seed in SEEDS:
         tiny_llama(len(bpe_tokenizer), seed=seed).save_pretrained(root / f"seed{seed}")
         bpe_tokenizer.save_pretrained(root / f"seed{seed}")
+    tiny_llama(len(eos_only_tokenizer), seed=4).save_pretrained(root / "eos4")
+    eos_only_tokenizer.save_pretrained(root / "eos4")
     return root
 
 
 @pytest.fixture(scope="module")
-def expected(model_folders, bpe_tokenizer, small_data):
+def expected(model_folders, bpe_tokenizer, eos_only_tokenizer, small_data):
     """Each model folder scored locally, by ``evaluate`` on the model loaded from it."""
     from transformers import AutoModelForCausalLM
 
-    return {
-        seed: evaluate(
-            AutoModelForCausalLM.from_pretrained(model_folders / f"seed{seed}"), bpe_tokenizer, small_data, allow_modified=True
-        )
-        for seed in SEEDS
-    }
+    def score(folder, tokenizer):
+        model = AutoModelForCausalLM.from_pretrained(model_folders / folder)
+        return evaluate(model, tokenizer, small_data, allow_modified=True)
+
+    return {**{seed: score(f"seed{seed}", bpe_tokenizer) for seed in SEEDS}, "eos4": score("eos4", eos_only_tokenizer)}
 
 
 def serve(monkeypatch, endpoint: str, cache) -> None:
@@ -139,8 +141,13 @@ def test_a_plan_orders_by_the_axis_groups_commits_and_finds_reuploads():
 
 
 def test_a_glob_scores_one_line_per_commit_in_order_equal_to_the_folders_scored_locally(
-    hub, model_folders, expected, small_data, capsys
+    hub, model_folders, expected, small_data, capsys, monkeypatch
 ):
+    import tatblimp_callback.evaluation as evaluation
+
+    builds = []
+    original = evaluation.build_cache
+    monkeypatch.setattr(evaluation, "build_cache", lambda *a, **k: builds.append(1) or original(*a, **k))
     # Pythia's names, main on the last step's commit, and branches the glob leaves out.
     shas = publish(hub, model_folders, {"step4": 3, "step0": 0, "step2": 2, "step1": 1, "main": 3, "other": 4})
     hub.point(REPO, "v1.0", shas["step0"], tag=True)
@@ -149,6 +156,7 @@ def test_a_glob_scores_one_line_per_commit_in_order_equal_to_the_folders_scored_
     assert code == 0
     assert f"4 revision(s) scored, 0 already in {REPO.replace('/', '--')}.tatblimp.jsonl" in out
     assert "main: the same commit as step4, scored once" in out
+    assert len(builds) == 1  # the same tokenizer files in every revision: tokenized once
     written = lines(hub_results())
     assert [(r["step"], r["checkpoint"], r["revisions"]) for r in written] == [
         (0, "step0", ["step0"]),
@@ -173,7 +181,14 @@ def hub_results(repo: str = REPO) -> Path:
     return Path(repo.replace("/", "--") + ".tatblimp.jsonl")
 
 
-def test_olmo_and_babylm_names_are_placed_on_tokens_and_words(hub, model_folders, expected, small_data):
+def test_olmo_and_babylm_names_are_placed_on_tokens_and_words(
+    hub, model_folders, expected, small_data, monkeypatch, caplog, tmp_path
+):
+    import matplotlib.figure
+
+    import tatblimp_callback.evaluation as evaluation
+    from tatblimp_callback.commands.compare import plot_comparison
+
     olmo = "allenai/tiny-olmo"
     publish(hub, model_folders, {"stage1-step2000-tokens9B": 2, "stage1-step1000-tokens4B": 1, "stage2-step10-tokens1B": 0}, olmo)
     report = sweep(olmo, options(small_data, x="tokens"), revisions="stage1-*")
@@ -184,16 +199,34 @@ def test_olmo_and_babylm_names_are_placed_on_tokens_and_words(hub, model_folders
         (9 * 10**9, "tokens", {"step": 2000, "tokens": 9 * 10**9}),
     ]
     assert_scores(written[1], expected[2])
+    labels = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "supxlabel", lambda self, text, **kw: labels.append(text))
+    plot_comparison([load_run(hub_results(olmo))], tmp_path / "olmo.png")
+    assert labels == ["tokens"]  # the curves' axis counts tokens
+
+    # BabyLM's words; chck_2M uploaded with other tokenizer files: tokenized for it, and said so.
+    builds = []
+    original = evaluation.build_cache
+    monkeypatch.setattr(evaluation, "build_cache", lambda *a, **k: builds.append(1) or original(*a, **k))
     babylm = "babylm/tiny-submission"
-    publish(hub, model_folders, {"chck_10M": 2, "chck_1M": 1, "chck_2M": 4, "main": 4}, babylm)
-    report = sweep(babylm, options(small_data, results="babylm.jsonl"), revisions="chck_*")
+    shas = publish(hub, model_folders, {"chck_10M": 2, "chck_1M": 1, "main": 2}, babylm)
+    hub.point(babylm, "chck_2M", hub.commit(babylm, model_folders / "eos4"))
+    with caplog.at_level("WARNING", logger="tatblimp_callback"):
+        report = sweep(babylm, options(small_data, results="babylm.jsonl"), revisions="chck_*")
     written = lines(Path("babylm.jsonl"))
     assert [(r["checkpoint"], r["step"], r["x"]) for r in written] == [
         ("chck_1M", 10**6, "words"),
         ("chck_2M", 2 * 10**6, "words"),
         ("chck_10M", 10**7, "words"),
     ]
+    assert written[2]["commit"] == shas["chck_10M"] and written[2]["revisions"] == ["chck_10M"]  # main not asked for
+    assert_scores(written[1], expected["eos4"])
     assert_scores(written[2], expected[2])
+    assert len(builds) == 2  # chck_10M has chck_1M's tokenizer files again: no third
+    assert [r.getMessage() for r in caplog.records if "tokenizer files differ" in r.getMessage()] == [
+        "tatblimp: chck_2M's tokenizer files differ from those of the revisions before it: its tokenizer is loaded "
+        "and the benchmark tokenized again"
+    ]
     assert report.acquisition.keys() == written[0]["phenomena"].keys()
 
 

@@ -141,8 +141,11 @@ class Prefetcher:
                 result.error = err
             result.done.set()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """No more tasks; with ``wait``, return once those asked for are done."""
         self._tasks.put(None)
+        if wait:
+            self._thread.join()
 
 
 class _Result:

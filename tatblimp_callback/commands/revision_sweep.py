@@ -145,11 +145,13 @@ class RevisionSeries:
         rank = int(os.environ.get("RANK", 0))
         return {"error": error, "process": rank, "revision": revision.name, "commit": revision.commit, "x": revision.axis}
 
-    def close(self) -> None:
-        if self.scorer.tokenizers_loaded == 1 and self._prefetcher is not None:
+    def close(self, wait: bool) -> None:
+        """Stop the background thread; with ``wait``, once the deletions asked for are done."""
+        if self._prefetcher is None:
+            return
+        if self.scorer.tokenizers_loaded == 1:
             logger.info("tatblimp: one tokenizer for every revision scored (their tokenizer files are the same)")
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        self._prefetcher.close(wait)
 
 
 def add_revision_arguments(parser: argparse.ArgumentParser) -> None:

@@ -127,8 +127,10 @@ def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, rev
             series = _RunFolder(Path(source), options, device)
         try:
             report = _sweep(series, options, read_records(series.results_path), processes)
-        finally:
-            series.close()
+        except BaseException:
+            series.close(wait=False)  # Ctrl-C, an error: not held up by a download
+            raise
+        series.close(wait=True)
     finally:
         processes.close()
     report.acquisition = acquisition_steps(
@@ -166,7 +168,7 @@ class _RunFolder:
     def score(self, checkpoint) -> tuple[str, Any]:
         return score_or_failure(self.scorer, checkpoint)
 
-    def close(self) -> None:
+    def close(self, wait: bool) -> None:
         pass
 
 
