@@ -449,3 +449,27 @@ def test_two_torchrun_processes_each_fetch_only_the_revisions_they_score(server,
     weights = [sha for sha, name in server.files_fetched(REPO) if name == "model.safetensors"]
     assert sorted(weights) == sorted(shas.values())
     assert [p for p in (tmp_path / ".tatblimp-downloads").rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.slow
+def test_revisions_on_vllm_equal_the_default_backend(server, bpe_tokenizer, small_data, tmp_path):
+    from test_vllm import save_model, vllm_env, vllm_python
+
+    python = vllm_python()  # skipped without vLLM's environment (except in CI)
+    folders = {name: save_model(tmp_path / name, bpe_tokenizer, seed=seed) for name, seed in (("step1", 1), ("step2", 2))}
+    for name, folder in folders.items():
+        server.point(REPO, name, server.commit(REPO, folder))
+    env = {**vllm_env(), **environment(server, tmp_path)}
+    arguments = [*sweep_arguments(small_data, "--backend", "vllm"), "--include-pairs"]
+    done = subprocess.run(
+        [python, "-m", "tatblimp_callback", *arguments], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = lines(tmp_path / hub_results())
+    assert [r["checkpoint"] for r in written] == ["step1", "step2"] and all(r["backend"] == "vllm" for r in written)
+    from transformers import AutoModelForCausalLM
+
+    for record, folder in zip(written, folders.values()):
+        reference = evaluate(AutoModelForCausalLM.from_pretrained(folder), bpe_tokenizer, small_data, allow_modified=True)
+        assert record["outcomes"] == reference.to_dict()["outcomes"]
+        assert (record["acc"], record["acc_norm"]) == (reference.to_dict()["acc"], reference.to_dict()["acc_norm"])
