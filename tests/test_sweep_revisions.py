@@ -335,6 +335,12 @@ def test_a_series_in_the_cache_is_swept_offline_from_the_cache(hub, model_folder
     # A revision the cache lacks is named as such when asked for by name.
     with pytest.raises(SweepError, match=r"no revision named 'step20'"):
         sweep(REPO, options(small_data), revisions="step20")
+    # Offline, --keep-downloads no deletes each revision from the cache once it is scored.
+    report = sweep(REPO, options(small_data, keep_downloads=False, results="again.jsonl"), revisions="step*")
+    assert report.scored == ["step10", "step30"] and [r["acc_norm"] for r in lines(Path("again.jsonl"))] == [
+        r["acc_norm"] for r in written
+    ]
+    assert not list(Path(constants.HF_HUB_CACHE).glob("models--*/snapshots/*"))
 
 
 def test_the_hub_probe_asks_a_custom_endpoint_once_and_says_when_it_is_gone(hub, monkeypatch):

@@ -1,4 +1,5 @@
-"""Score the checkpoints a training run saved to disk: ``tatblimp sweep RUN_DIR``.
+"""Score the checkpoints a training run saved to disk: ``tatblimp sweep RUN_DIR``; or the revisions of a Hub
+repository, ``tatblimp sweep HUB_ID --revisions PATTERN`` (``revision_sweep``), the same way.
 
 Checkpoints (``checkpoints.py``: what counts as one, and when one is complete) are
 scored in step order and each result is appended, as one JSON line, to ``RUN_DIR/tatblimp.jsonl``;
@@ -172,6 +173,13 @@ class _RunFolder:
         pass
 
 
+def _poll(source: Any, done: set[str], settled: bool, report: SweepReport) -> tuple | SweepError:
+    try:
+        return source.poll(done, settled, report)
+    except SweepError as error:  # two checkpoints with one step, no such revision, ...
+        return error
+
+
 def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
     from tqdm.auto import tqdm
 
@@ -188,7 +196,11 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
     settled = False
     try:
         while True:
-            todo, report.incomplete, settle = processes.from_first(source.poll(done, settled, report) if first else None)
+            polled = _poll(source, done, settled, report) if first else None
+            polled = processes.from_first(polled)  # an error too, so that no process waits for process 0
+            if isinstance(polled, SweepError):
+                raise polled
+            todo, report.incomplete, settle = polled
             if settle:
                 settled = True
                 time.sleep(options.poll_interval)
