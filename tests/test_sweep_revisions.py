@@ -113,6 +113,40 @@ def test_names_give_steps_tokens_and_words():
     assert position("main") == {} and position("stage1") == {} and position("v1.0") == {}
 
 
+def test_only_the_files_a_model_needs_are_asked_for():
+    from tatblimp_callback.commands.revision_downloads import RevisionFilesError, needed_files
+
+    listing = [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "consolidated.safetensors",
+        "pytorch_model.bin",
+        "optimizer.pt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "modeling_custom.py",
+        "README.md",
+        "original/params.json",
+    ]
+    assert needed_files(listing) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert "modeling_custom.py" in needed_files(listing, trust_remote_code=True)
+    older = ["config.json", "pytorch_model.bin", "tokenizer.json", "vocab.json", "merges.txt", "training_args.bin"]
+    assert needed_files(older) == ["config.json", "merges.txt", "pytorch_model.bin", "tokenizer.json", "vocab.json"]
+    with pytest.raises(RevisionFilesError, match="no weights file"):
+        needed_files(["config.json", "tokenizer.json", "optimizer.pt"])
+
+
 def test_a_plan_orders_by_the_axis_groups_commits_and_finds_reuploads():
     chosen = {"step2": "c2", "step10": "c10", "step1": "c1", "step143000": "cl", "main": "cl"}
     plan = plan_revisions(chosen, [], None)

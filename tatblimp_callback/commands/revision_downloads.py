@@ -40,7 +40,9 @@ def needed_files(files: list[str], trust_remote_code: bool = False) -> list[str]
         RevisionFilesError: no weights file among them.
     """
     top = [name for name in files if "/" not in name]
-    safetensors = [n for n in top if n.endswith(".safetensors") or n.endswith(".safetensors.index.json")]
+    # transformers reads model.safetensors or the shards its index names (model-00001-of-00002.safetensors), not
+    # other copies a repository may hold (consolidated.safetensors).
+    safetensors = [n for n in top if n.startswith("model") and n.endswith((".safetensors", ".safetensors.index.json"))]
     weights = safetensors or [n for n in top if n.startswith("pytorch_model") and (n.endswith(".bin") or n.endswith(".json"))]
     weights += [n for n in top if n.startswith("adapter_model.")]
     if not any(name in WEIGHTS_FILES or name.endswith(".safetensors") or name.endswith(".bin") for name in weights):
@@ -87,7 +89,7 @@ class RevisionFiles:
         if not isinstance(found, str):
             found = try_to_load_from_cache(self.repo_id, "adapter_config.json", revision=commit)
         if not isinstance(found, str):
-            raise RevisionFilesError(f"commit {commit[:12]} is not in the local cache (the Hub cannot be asked)")
+            raise RevisionFilesError(f"{name} (commit {commit[:12]}) is not in the local cache, and the Hub cannot be asked")
         return Path(found).parent
 
     def release(self, commit: str, folder: Path | None) -> None:
