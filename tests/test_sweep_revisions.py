@@ -209,6 +209,11 @@ def test_a_glob_scores_one_line_per_commit_in_order_equal_to_the_folders_scored_
     # The file reads as a sweep for compare and the report, at a step.
     run = load_run(hub_results(), step=2)
     assert run.is_sweep and run.record["checkpoint"] == "step2" and run.label == REPO.replace("/", "--")
+    capsys.readouterr()
+    assert main(["compare", f"{hub_results()}@1", str(hub_results())]) == 0
+    assert "org--tiny-series@1" in capsys.readouterr().out
+    assert main(["report", str(hub_results()), "--output", "report.html"]) == 0
+    assert "org--tiny-series" in Path("report.html").read_text(encoding="utf-8")
 
 
 def hub_results(repo: str = REPO) -> Path:
