@@ -183,14 +183,16 @@ def plan_revisions(chosen: dict[str, str], records: list[dict[str, Any]], asked_
         by_commit.setdefault(commit, []).append(name)
     positions = {name: position(name) for name in chosen}
     placed = {commit: [n for n in names if positions[n]] or names for commit, names in by_commit.items()}
-    axis = choose_axis({names[0]: positions[names[0]] for names in placed.values()}, asked_axis)
+    # A commit gives an axis when one of its names does (main beside step143000).
+    axis = choose_axis(
+        {names[0]: {k: v for n in names for k, v in positions[n].items()} for names in placed.values()}, asked_axis
+    )
     scored = {record.get("commit"): record for record in records if record.get("commit")}
     commit_of_name = {name: record.get("commit") for record in records for name in record.get("revisions", ())}
     plan = RevisionPlan(axis, [])
     at: dict[int, str] = {}
     for commit, names in placed.items():
         names = sorted((n for n in names if axis in positions[n]), key=lambda n: (positions[n][axis], n))
-        names = names or sorted(placed[commit])
         everyone = tuple(names + sorted(set(by_commit[commit]) - set(names)))
         first = everyone[0]
         step = positions[first][axis]
