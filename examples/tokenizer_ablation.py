@@ -7,7 +7,10 @@ For each vocabulary size it trains a SentencePiece unigram model on the corpus, 
 the raw sentencepiece ids with the Hugging Face Trainer (saving a checkpoint every --save-steps),
 then scores every checkpoint with ``tatblimp sweep``'s Python API, passing the ``.model`` file so
 the benchmark is scored with exactly the ids the model was trained on. It ends with the compare
-table (printed, and as Markdown) and a plot of the acc_norm curves of all runs.
+table (printed, and as Markdown) and a plot of the acc_norm curves of all runs, and ``by_edit.md``: how each
+vocabulary cuts the benchmark's edits (``tatblimp tokenizers``) and each run's acc and acc_norm split by edit
+alignment and by the length confound's sign, with 95% intervals and Fisher's test, and the acquisition step of
+its aligned and unaligned pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from tatblimp_callback import SentencePieceTokenizer
 from tatblimp_callback.commands.compare import format_markdown, format_text, load_runs, plot_comparison
 from tatblimp_callback.commands.sweep import SweepOptions, sweep
+from tatblimp_callback.commands.tokenizers import format_tokenizer_table, tokenizer_figures
+from tatblimp_callback.reading.data import load_benchmark
+from tatblimp_callback.results.edit_outcomes import format_runs_by_edit, runs_by_edit
 
 
 def parse_args() -> argparse.Namespace:
@@ -121,20 +127,26 @@ def main() -> None:
     lines = [line.strip() for line in Path(args.corpus).read_text(encoding="utf-8").splitlines() if line.strip()]
     if args.lines:
         lines = lines[: args.lines]
-    results = []
+    results, model_files = [], []
     for vocab_size in (int(v) for v in args.vocab_sizes.split(",")):
         run_dir, model_file = train_run(lines, vocab_size, args, out)
         # Score with the raw .model file: the ids the model was trained on.
         report = sweep(run_dir, SweepOptions(data=args.data, tokenizer=str(model_file), device="cpu"))
         print(f"vocab {vocab_size}: {len(report.scored)} checkpoints scored into {report.results_path}")
         results.append(report.results_path)
+        model_files.append(model_file)
 
     runs = load_runs(results)
     print()
     print(format_text(runs))
     (out / "ablation.md").write_text(format_markdown(runs), encoding="utf-8")
     plot_comparison(runs, out / "ablation.png")
-    print(f"\nwrote {out / 'ablation.md'} and {out / 'ablation.png'}")
+    pairs = list(load_benchmark(args.data, allow_modified=True).pairs)
+    cuts = [format_tokenizer_table(tokenizer_figures(SentencePieceTokenizer(f), pairs)) for f in model_files]
+    by_edit = "## How each vocabulary cuts the edit\n\n" + "".join(f"```text\n{c}\n```\n\n" for c in cuts)
+    by_edit += "## Outcomes by how the tokenizer cut the edit\n\n" + format_runs_by_edit(runs_by_edit(runs))
+    (out / "by_edit.md").write_text(by_edit, encoding="utf-8")
+    print(f"\nwrote {out / 'ablation.md'}, {out / 'ablation.png'} and {out / 'by_edit.md'}")
 
 
 if __name__ == "__main__":

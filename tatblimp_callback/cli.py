@@ -35,6 +35,7 @@ from .commands.explain import add_explain_parser
 from .commands.loading import add_model_arguments, load_from_args, tokenizer_source
 from .commands.outputs import check_output_file, say, silence_stdout, write_text
 from .commands.sweep import add_sweep_parser
+from .commands.tokenizers import add_tokenizers_parser
 from .reading.suites import add_suite_arguments, suites_from_args
 from .reports.report import add_report_parser
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_parser(commands)
     add_explain_parser(commands)
     add_report_parser(commands)
+    add_tokenizers_parser(commands)
     for command in commands.choices.values():  # -v after the command too; SUPPRESS keeps a -v given before it
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser

@@ -15,6 +15,7 @@ from .engine import distributed
 from .engine.model_checks import input_device, weights_label
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
 from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine, vllm_scorer_for
+from .engine.word_surprisal import add_region_surprisal
 from .reading.data import Benchmark
 from .reading.suites import Suite, load_suite
 from .results.metrics import Results, compute_results
@@ -152,6 +153,18 @@ class Evaluator:
         scorer.keep_token_logprobs = self.include_tokens
         return scorer
 
+    def _region_surprisal(self, records, model, cache) -> None:
+        """With ``include_tokens``: each pair's critical-region surprisal (``engine/word_surprisal.py``), a pass of its own."""
+        if self.tokenizer is None or not isinstance(model, torch.nn.Module) or distributed.world()[1] > 1:
+            return
+        lm = unwrap_model(model)
+        training = lm.training
+        lm.eval()  # and back to the mode it was in
+        try:
+            add_region_surprisal(records, lm, cache, self.tokenizer)
+        finally:
+            lm.train(training)
+
     def __call__(self, model: torch.nn.Module, suites: list[str] | None = None) -> Results:
         """Score every pair with ``model`` and return the results.
 
@@ -183,6 +196,7 @@ class Evaluator:
             results = compute_results(scorer.cache, logprobs, run_info)
             if self.include_tokens:
                 results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
+                self._region_surprisal(results.pair_tokens, model, scorer.cache)
             return results
         wanted = list(self.suites) if suites is None else list(suites)
         unknown = sorted(set(wanted) - set(self.suites))
@@ -212,6 +226,7 @@ class Evaluator:
                         _host_lengths=None,
                     )
                     results.pair_tokens = pair_tokens(own, scorer.token_logprobs()[:n], self.tokenizer)
+                    self._region_surprisal(results.pair_tokens, model, replace(own, sentences=cache.sentences))
                 if isinstance(self.data, Suite):  # a suite scored alone
                     results.left_out = [dict(entry) for entry in self.data.left_out]
             else:

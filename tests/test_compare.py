@@ -301,7 +301,7 @@ def test_cli_compare_writes_markdown_json_and_plot(two_runs, tmp_path, capsys):
     assert (tmp_path / "t.md").read_text().startswith("## TatBLiMP comparison")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     as_json = json.loads((tmp_path / "c.json").read_text())
-    assert set(as_json) == {"runs", "paired", "learning", "learning_order"}  # the last two: a sweep's fits
+    assert set(as_json) == {"runs", "paired", "learning", "learning_order", "by_edit"}  # learning*: a sweep's fits
     assert as_json["learning"]["small-vocab"]["acquisition_fits"]["agreement"]["status"] == "not enough evaluations"
     # Only single scores: nothing to draw over steps.
     code = main(["compare", str(two_runs[1]), "--plot", str(tmp_path / "d.png")])

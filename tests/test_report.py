@@ -154,6 +154,11 @@ def test_score_include_tokens_and_explain(model_dir, tmp_path, capsys):
     assert values == [f"{-lp / math.log(2):.1f}" for lp in pair["bad_token_logprobs"]]
     edit = re.search(r"\[(.*?)\]", " ".join(lines[k + 2] for k in chunks)).group(1).split()
     assert [piece.replace("▁", " ") for piece in edit] == pair["bad_tokens_text"][bs:be]
+    # The edit in characters, its critical region, and the region's surprisal as the per-pair record has it.
+    region, header = pair["critical_region"], text.replace("\n  ", " ")  # the header lines unwrapped
+    assert f"critical region: {region['good_text']!r} / {region['bad_text']!r}" in header
+    bits = pair["critical_region_bits"]
+    assert f"good {bits['good']:.2f} bits, bad {bits['bad']:.2f} bits" in header and "word-start corrected" in header
 
     # --worst K: the K pairs of the phenomenon with the lowest per-byte margin, in that order.
     assert main(["explain", str(model_dir), "--data", str(DATA), "--phenomenon", "binding", "--worst", "3"]) == 0

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..results.comparison import Comparison, compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
+from ..results.edit_outcomes import format_runs_by_edit, runs_by_edit
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from ..results.stats import ALPHA, METRICS
@@ -79,9 +80,10 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
         {"baseline": comparison.baseline.label, "run": label, **_no_nan(order.to_dict())}
         for label, order in comparison.orders().items()
     ]
+    by_edit = {"by_edit": runs_by_edit(comparison.runs)}  # acc and acc_norm split by how the tokenizer cut the edit
     if not any(run.is_sweep for run in comparison.runs):
-        return {"runs": runs, "paired": paired}
-    return {"runs": runs, "paired": paired, "learning": learning, "learning_order": orders}
+        return {"runs": runs, "paired": paired, **by_edit}
+    return {"runs": runs, "paired": paired, "learning": learning, "learning_order": orders, **by_edit}
 
 
 def _no_nan(record: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +178,9 @@ def format_text(runs: list[Run] | Comparison, threshold: float = DEFAULT_THRESHO
         lines += ["", *order]
     for title, header, table in _paired_sections(comparison):
         lines += ["", title, *_text_table([header, *table], (0, 1))]
+    by_edit = runs_by_edit(comparison.runs)
+    if by_edit:  # overall only on the terminal; --markdown and --json have the phenomena too
+        lines += ["", format_runs_by_edit(by_edit, phenomena=False).replace("#### ", "").rstrip()]
     return "\n".join(lines + _notes(comparison))
 
 
@@ -203,6 +208,10 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
         lines += ["", "### Learning order", "", *(f"- {line.strip()}" for line in order)]
     for title, header, rows in _paired_sections(comparison):
         lines += ["", f"### {title[0].upper()}{title[1:]}", "", *table(header, rows)]
+    by_edit = runs_by_edit(comparison.runs)
+    if by_edit:
+        lines += ["", "### By how the tokenizer cut the edit (95% Wilson intervals, Fisher's exact test)", ""]
+        lines += [format_runs_by_edit(by_edit).rstrip()]
     notes = _notes(comparison)
     if notes:
         lines += ["", *notes]

@@ -124,6 +124,7 @@ def format_pair(index: int, pair: PairResult, tokens: PairTokens, *, color: bool
         f"acc_norm {passed} (margin per byte {normalised_margin(pair):+.4f} nats), acc {'passed' if pair.passed else 'FAILED'}",
         f"margin {pair.good_logprob - pair.bad_logprob:+.3f} nats = before the edit {before:+.3f} + at the edit {at:+.3f} "
         f"+ after it {after:+.3f}",
+        *edit_lines(pair, tokens),
         "(surprisal in bits under each token; [ ]: the edit)",
     ]
     labels = ("good", "bits", "bad", "bits")
@@ -148,6 +149,28 @@ def format_pair(index: int, pair: PairResult, tokens: PairTokens, *, color: bool
     if row:
         flush()
     return "\n".join(out).rstrip() + "\n"
+
+
+def edit_lines(pair: PairResult, tokens: PairTokens) -> list[str]:
+    """The edit in characters and its critical region (``reading/edit.py``), with the region's word-level surprisal."""
+    if not pair.good and not pair.bad:  # a cache written before the sentences were kept
+        return []
+    from ..reading.edit import find_edit
+
+    edit = find_edit(pair.good, pair.bad)
+    good, bad = pair.good[slice(*edit.good)], pair.bad[slice(*edit.bad)]
+    lines = [
+        f"edit: {good!r} -> {bad!r} (characters {edit.good[0]}-{edit.good[1]} / {edit.bad[0]}-{edit.bad[1]}); "
+        f"critical region: {pair.good[slice(*edit.good_region)]!r} / {pair.bad[slice(*edit.bad_region)]!r}"
+    ]
+    bits = tokens.critical_region_bits
+    if bits and bits["good"] is not None and bits["bad"] is not None:
+        corrected = "word-start corrected" if bits["word_marks"] in ("start", "continuation") else "no correction needed"
+        lines.append(
+            f"critical-region surprisal: good {bits['good']:.2f} bits, bad {bits['bad']:.2f} bits, "
+            f"bad - good {bits['bad'] - bits['good']:+.2f} ({corrected}: {bits['word_marks']} marks)"
+        )
+    return lines
 
 
 def add_explain_parser(commands) -> None:

@@ -28,6 +28,7 @@ from ..results.scored_pairs import scored_benchmark
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
 from .report_learning import learning_sections
+from .report_tokenization import tokenization_sections
 
 __all__ = ["build_report", "write_report"]
 
@@ -231,6 +232,7 @@ def build_report(
     ]
     body.append(_table(["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer"], overview, "overview"))
     body += _sections(runs, steps, pair_sentences(runs[0].record, data), details, threshold, paired and len(runs) > 1)
+    body += tokenization_sections(runs, data)  # how each tokenizer cuts the edit, and the outcomes split by it
     for name in shared_suites(list(runs)):
         suite_runs = [suite_run(run, name) for run in runs]
         body.append(f'<h2 class="suite" data-suite="{escape(name)}">Suite {escape(name)}</h2>')

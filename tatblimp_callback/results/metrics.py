@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..reading.edit import find_edit
 from ..tokenized.cache import SentenceCache
 from .stats import encode_outcomes, format_interval, run_lengths, wilson_interval
 from .token_results import add_token_fields
@@ -138,6 +139,8 @@ class Results:
     suites: dict[str, Results] = field(default_factory=dict)  # the other suites scored in the same pass, by name
     # Per-pair token log-probs, texts and edit spans (``token_results.PairTokens``), when asked for.
     pair_tokens: list[Any] | None = None
+    # "1"/"0" a pair: the edit starts and ends on token boundaries in both sentences (``edit_tokens``); "": unknown.
+    edit_aligned: str = ""
     benchmark_fingerprint: str = ""
     benchmark_columns: dict[str, str] | None = None
 
@@ -206,12 +209,26 @@ class Results:
             "phenomena": {name: group.to_dict() for name, group in self.phenomena.items()},
             "subtypes": {name: group.to_dict() for name, group in self.subtypes.items()},
             "outcomes": self.outcomes(),
-            "pairs": [{**asdict(pair), "passed": pair.passed, "passed_norm": pair.passed_norm} for pair in self.pairs],
+            "edit_tokens": self.edit_tokens(),
+            "pairs": [self._pair_dict(i, pair) for i, pair in enumerate(self.pairs)],
             **self.run_info,
             **({"left_out": self.left_out} if self.left_out is not None else {}),
             **({"suites": {name: suite.suite_dict() for name, suite in self.suites.items()}} if self.suites else {}),
         }
         return record if self.pair_tokens is None else add_token_fields(record, self.pair_tokens)
+
+    def edit_tokens(self) -> dict[str, Any]:
+        """Per pair, compactly: ``aligned`` ("1" the edit is aligned with token boundaries, "0" not; None: unknown)
+        and ``length_sign`` ("+" bad has more scored tokens than good, "0" as many, "-" fewer), in file order."""
+        signs = "".join("+" if p.bad_tokens > p.good_tokens else "-" if p.bad_tokens < p.good_tokens else "0" for p in self.pairs)
+        aligned = self.edit_aligned if len(self.edit_aligned) == len(self.pairs) else None
+        return {"aligned": aligned, "length_sign": signs}
+
+    def _pair_dict(self, index: int, pair: PairResult) -> dict[str, Any]:
+        """One pair's JSON: its fields, outcomes, edit and critical region (``reading/edit.py``) and alignment."""
+        aligned = self.edit_aligned[index] == "1" if len(self.edit_aligned) == len(self.pairs) else None
+        edit = find_edit(pair.good, pair.bad).to_dict(pair.good, pair.bad)
+        return {**asdict(pair), "passed": pair.passed, "passed_norm": pair.passed_norm, **edit, "edit_aligned": aligned}
 
     def _benchmark_dict(self) -> dict[str, Any]:
         identity = {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source}
@@ -357,6 +374,7 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
         run_info=dict(run_info or {}),
         benchmark_fingerprint=cache.benchmark_fingerprint,
         benchmark_columns=cache.benchmark_columns,
+        edit_aligned=cache.edit_aligned,
     )
 
 

@@ -38,6 +38,10 @@ class PairTokens:
     good_tokens_text: list[str]
     bad_tokens_text: list[str]
     edit: dict[str, list[int]]  # {"good": [start, end], "bad": [start, end]}, half-open, over the scored tokens
+    # The critical region's tokens ({"good": [i, j], "bad": [i, j]}) and its surprisal in bits, word-start
+    # corrected ({"good": bits, "bad": bits, "word_marks": kind}; ``engine/word_surprisal.py``); None: not computed.
+    critical_region_tokens: dict[str, Any] | None = None
+    critical_region_bits: dict[str, Any] | None = None
 
     def margin_parts(self) -> tuple[float, float, float]:
         """(before, at, after) the edit: logP(good) - logP(bad) over each part's tokens, in nats.
@@ -180,4 +184,28 @@ def add_token_fields(record: dict[str, Any], tokens: Sequence[PairTokens]) -> di
         raise ValueError(f"{len(tokens)} token records for {len(record['pairs'])} pairs")
     record["pairs"] = [{**pair, **asdict(extra)} for pair, extra in zip(record["pairs"], tokens)]
     record["edit_margins"] = edit_margins(tokens, [pair["phenomenon"] for pair in record["pairs"]])
+    surprisal = region_surprisal_means(tokens, [pair["phenomenon"] for pair in record["pairs"]])
+    if surprisal is not None:
+        record["critical_region_surprisal"] = surprisal
     return record
+
+
+def region_surprisal_means(tokens: Sequence[PairTokens], phenomena: Sequence[str]) -> dict[str, Any] | None:
+    """Overall and per phenomenon: the mean critical-region surprisal (bits) of good and bad and of bad minus good,
+    over the pairs where both are known; None when no pair has it."""
+    groups: dict[str, list[tuple[float, float]]] = {"overall": []}
+    for record, name in zip(tokens, phenomena):
+        bits = record.critical_region_bits
+        if bits and bits["good"] is not None and bits["bad"] is not None:
+            groups["overall"].append((bits["good"], bits["bad"]))
+            groups.setdefault(name, []).append((bits["good"], bits["bad"]))
+    if not groups["overall"]:
+        return None
+
+    def summary(values: list[tuple[float, float]]) -> dict[str, Any]:
+        n = len(values)
+        good, bad = (math.fsum(column) / n for column in zip(*values))
+        return {"n": n, "mean_good_bits": good, "mean_bad_bits": bad, "mean_difference_bits": bad - good}
+
+    overall = summary(groups.pop("overall"))
+    return {**overall, "phenomena": {name: summary(values) for name, values in groups.items()}}

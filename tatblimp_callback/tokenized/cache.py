@@ -25,13 +25,15 @@ from typing import Any
 import torch
 
 from ..reading.data import Benchmark, load_benchmark
+from .edit_tokens import edit_alignment
 from .tokenization import encode_sentences, resolve_prefix_token_id, tokenizer_fingerprint, tokenizer_name
 
 logger = logging.getLogger(__name__)
 
 # 2: only special tokens the tokenizer inserted are stripped (an ordinary prefix token is kept); older caches are rebuilt.
 # 3: the pairs' sentences are kept (for the results' per-pair rows).
-CACHE_FORMAT = 3
+# 4: each pair's edit alignment is kept (``edit_tokens.edit_alignment``).
+CACHE_FORMAT = 4
 
 
 @dataclass
@@ -67,6 +69,9 @@ class SentenceCache:
     prompt: str | None = None  # forced choice: the user message template and the system message
     system_prompt: str | None = None
     sentences: list[str] = field(default_factory=list)  # the pairs' sentences, good then bad (sentence 2*i: pair i's good)
+    # One character a pair, "1" where the edit starts and ends on token boundaries in both sentences, "0" where not
+    # (``edit_tokens.edit_alignment``); "" when the tokenizer gives no character offsets (or for prompts).
+    edit_aligned: str = ""
     _host_lengths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -163,6 +168,7 @@ class SentenceCache:
             "prompt": self.prompt,
             "system_prompt": self.system_prompt,
             "sentences": list(self.sentences),
+            "edit_aligned": self.edit_aligned,
         }
 
 
@@ -221,10 +227,21 @@ def build_cache(
         tokenizer_name=tokenizer_name(tokenizer),
         fingerprint=fingerprint,
         same_token_pairs=same,
+        edit_aligned=alignment_or_none(tokenizer, benchmark, [ids[1:] for ids in encoded]),
     )
     if cache_path is not None:
         save_or_warn(cache, cache_path)
     return cache.to(device)
+
+
+def alignment_or_none(tokenizer: Any, benchmark: Benchmark, expected: list[list[int]]) -> str:
+    """``edit_alignment`` of the benchmark's pairs (``expected``: their ids as cached, prefix token off); "" for a
+    tokenizer that gives no character offsets."""
+    try:
+        return edit_alignment(tokenizer, benchmark.pairs, expected)
+    except Exception as err:  # a slow tokenizer, a custom one: the scores do not need it
+        logger.info("tatblimp: no edit alignment for %s (%s)", tokenizer_name(tokenizer), err)
+        return ""
 
 
 def save_or_warn(cache: SentenceCache, path: str | os.PathLike) -> bool:
@@ -295,5 +312,6 @@ def concat_caches(caches: list[SentenceCache]) -> SentenceCache:
         fingerprint=":".join(c.fingerprint for c in caches),
         benchmark_source=", ".join(c.benchmark_source for c in caches),
         truncated=[],
+        edit_aligned="".join(c.edit_aligned for c in caches) if all(c.edit_aligned for c in caches) else "",
         _host_lengths=None,
     )
