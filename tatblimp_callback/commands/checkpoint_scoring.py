@@ -38,6 +38,11 @@ class CheckpointScorer:
         if options.tokenizer:
             self._tokenizer_for(run_dir)  # a wrong --tokenizer is the sweep's error, not each checkpoint's
 
+    @property
+    def tokenizers_loaded(self) -> int:
+        """How many distinct tokenizers (by the content of their files) were loaded so far."""
+        return len(self._tokenizers)
+
     def score(self, checkpoint: Checkpoint) -> dict[str, Any]:
         from ..evaluation import Evaluator
 

@@ -235,7 +235,11 @@ def plot_comparison(runs: list[Run], path: str | os.PathLike, threshold: float =
             curves[run.label] = [{**run.record, "step": step}]
         else:
             levels[run.label] = run.record
-    plot_runs(curves, path, threshold=threshold, levels=levels, title="TatBLiMP acc_norm over training (95% intervals)")
+    axes = sorted(
+        {record.get("x", "step") for run in runs if run.is_sweep for record in run.records}
+    )  # Hub revisions: tokens, words
+    title = "TatBLiMP acc_norm over training (95% intervals)"
+    plot_runs(curves, path, threshold=threshold, levels=levels, title=title, x_label=" / ".join(axes))
 
 
 # -- the command ----------------------------------------------------------------------------------

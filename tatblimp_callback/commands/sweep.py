@@ -1,4 +1,5 @@
-"""Score the checkpoints a training run saved to disk: ``tatblimp sweep RUN_DIR``.
+"""Score the checkpoints a training run saved to disk: ``tatblimp sweep RUN_DIR``; or the revisions of a Hub
+repository, ``tatblimp sweep HUB_ID --revisions PATTERN`` (``revision_sweep``), the same way.
 
 Checkpoints (``checkpoints.py``: what counts as one, and when one is complete) are
 scored in step order and each result is appended, as one JSON line, to ``RUN_DIR/tatblimp.jsonl``;
@@ -18,144 +19,36 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..reading.suites import add_suite_arguments, parse_suite_option
-from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from ..results.curves import acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from ..results.runs import without_replaced
 from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .loading import add_model_arguments
 from .outputs import say
 from .placement import placement_options
+from .revision_sweep import RevisionSeries, add_revision_arguments, check_repo_id, revision_summary
+from .sweep_options import SweepOptions, SweepReport
 from .sweep_records import append_sweep_record, check_same_files, read_records
 
 if TYPE_CHECKING:  # torch.distributed comes with it: imported when a sweep runs, not for `tatblimp sweep --help`
     from .sweep_processes import SweepProcesses
 
+__all__ = ["SweepError", "SweepOptions", "SweepReport", "check_same_files", "find_checkpoints", "read_records", "sweep"]
+
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "tatblimp.jsonl"
 FAILURES_FILE = "tatblimp-failures.jsonl"
-WATCH_INTERVAL = 30.0
-SETTLE_INTERVAL = 5.0
-
-
-@dataclass
-class SweepOptions:
-    """How ``sweep`` finds, loads and scores checkpoints (the ``tatblimp sweep`` options)."""
-
-    data: str | None = None
-    """Benchmark JSONL; None: ``$TATBLIMP_DATA``, else the Hub dataset."""
-
-    allow_modified: bool = False
-    """Accept a benchmark file that is not the official release."""
-
-    tokenizer: str | None = None
-    """Tokenizer folder or raw SentencePiece ``.model`` for every checkpoint; None: each checkpoint's
-    own tokenizer files, else those in the run folder."""
-
-    prefix_token_id: int | None = None
-    """Token put before each sentence; None: BOS, else EOS."""
-
-    device: str | None = None
-    """Device to score on; None: cuda if available (under torchrun ``LOCAL_RANK``'s GPU), else cpu."""
-
-    device_map: str | None = None
-    """accelerate's big-model dispatch ("auto", "balanced", "sequential") instead of ``device``; one process only."""
-
-    max_memory: dict | None = None
-    """With ``device_map``: the most weights per device, e.g. ``{0: "70GiB", "cpu": "200GiB"}``."""
-
-    offload_folder: str | None = None
-    """With ``device_map``: where the weights that fit on no device go."""
-
-    trust_remote_code: bool = False
-    """Run the Python files of a checkpoint with a custom architecture (code from the model's author)."""
-
-    attn_implementation: str | None = None
-    """The attention kernel ("eager", "sdpa", ...); None: the model's."""
-
-    dtype: str = "float32"
-    """Weights dtype: auto, float32, bfloat16 or float16."""
-
-    memory_budget_mb: int | None = None
-    """Extra memory (MiB) one evaluation may use; None: from free device memory."""
-
-    truncate: bool = False
-    """Cut sentences longer than the model's context instead of failing."""
-
-    suite: list[str] = field(default_factory=list)
-    """More suites scored in the same pass, ``NAME=PATH`` each (as ``score --suite``); each record gets
-    ``"suites": {name: results}``. A results file holds one set of suites: a rerun with others is refused."""
-
-    columns: list[str] = field(default_factory=list)
-    """``[NAME:]good=COL,bad=COL,...``: where a suite's fields are, for layouts not detected (as ``score --columns``)."""
-
-    include_pairs: bool = False
-    """Keep the per-pair list (as in ``score --output``) in each JSONL line; off to keep lines small."""
-
-    watch: bool = False
-    """Keep polling for new checkpoints while a training job writes them."""
-
-    interval: float | None = None
-    """Seconds between polls; a checkpoint without ``trainer_state.json`` must stay unchanged this long.
-    None: 30 with ``watch``, 5 otherwise."""
-
-    max_wait: float | None = None
-    """With ``watch``: stop after this many seconds without a new complete checkpoint; None: until Ctrl-C."""
-
-    threshold: float = DEFAULT_THRESHOLD
-    """acc_norm a phenomenon must reach and keep to count as acquired."""
-
-    acquisition: str = "estimate"
-    """What must stay at or above ``threshold``: "estimate" (acc_norm) or "lower-bound" (its 95% interval's low end)."""
-
-    wandb_project: str | None = None
-    """Log the curves to this wandb project (over ``train/global_step``)."""
-
-    wandb_run_id: str | None = None
-    """Resume this existing wandb run (e.g. the training run) instead of starting a new one."""
-
-    wandb_entity: str | None = None
-    """wandb entity (user or team) of the project."""
-
-    progress: bool = True
-    """Show a progress bar with an ETA on stderr."""
-
-    backend: str = "transformers"
-    """What scores each checkpoint: "transformers" (loaded in this process) or "vllm" (one engine per checkpoint,
-    shut down before the next starts)."""
-
-    vllm_options: Any = None
-    """With ``backend="vllm"``: the engines' ``vllm_scoring.VllmOptions``; None: its defaults."""
-
-    @property
-    def poll_interval(self) -> float:
-        if self.interval is not None:
-            return self.interval
-        return WATCH_INTERVAL if self.watch else SETTLE_INTERVAL
-
-
-@dataclass
-class SweepReport:
-    """What one ``sweep`` call did."""
-
-    results_path: Path
-    records: list[dict[str, Any]]  # every line of the results file, old and new, in step order
-    scored: list[str] = field(default_factory=list)  # checkpoints scored by this call
-    skipped: list[str] = field(default_factory=list)  # already in the results file
-    incomplete: list[str] = field(default_factory=list)  # not complete when the sweep ended
-    vanished: list[str] = field(default_factory=list)  # deleted (checkpoint rotation) before being read
-    failed: dict[str, str] = field(default_factory=dict)  # checkpoint -> why it could not be loaded or scored
-    acquisition: dict[str, int | None] = field(default_factory=dict)
-    interrupted: bool = False
 
 
 class _WandbLogger:
-    def __init__(self, options: SweepOptions, run_dir: Path):
+    def __init__(self, options: SweepOptions, config: dict[str, str]):
         import wandb
 
         self.run = wandb.init(
@@ -164,7 +57,7 @@ class _WandbLogger:
             id=options.wandb_run_id,
             resume="allow" if options.wandb_run_id else None,
             job_type="tatblimp-sweep",
-            config={"tatblimp_sweep_dir": str(run_dir)},
+            config=config,
         )
         self.run.define_metric("train/global_step")
         for section in ("tatblimp", *(parse_suite_option(text)[0] for text in options.suite)):
@@ -182,42 +75,63 @@ class _WandbLogger:
         self.run.finish()
 
 
-def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> SweepReport:
-    """Score every complete, not yet scored checkpoint of ``run_dir`` and append to its ``tatblimp.jsonl``.
+def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, revisions: str | None = None) -> SweepReport:
+    """Score every complete, not yet scored checkpoint of a run folder and append to its ``tatblimp.jsonl``; with
+    ``revisions``, the revisions of a Hub repository instead (``revision_sweep``).
 
     Under torchrun every process calls this; the checkpoints are shared out (``sweep_processes``) and
     every process returns the same report.
 
     Args:
-        run_dir: the training run's folder, with ``checkpoint-<step>`` (or other ``*<step>``) sub-folders.
+        source: the training run's folder, with ``checkpoint-<step>`` (or other ``*<step>``) sub-folders; with
+            ``revisions``, a Hub model id.
         options: how to find, load and score them (default ``SweepOptions()``).
+        revisions: the Hub revisions to score, comma-separated names or globs (``"step*"``); the same as
+            ``options.revisions``.
 
     Returns:
         What was scored, skipped, failed, and every record of the results file in step order.
 
     Raises:
-        SweepError: no such folder, two checkpoints with one step, or a bad line in the results file.
+        SweepError: no such folder, two checkpoints with one step, a bad line in the results file, a Hub repository
+            or revision that does not exist.
         ValueError: options that do not go together.
     """
     options = options or SweepOptions()
+    if revisions is not None:
+        options = replace(options, revisions=revisions)
     if options.acquisition not in ("estimate", "lower-bound"):
         raise ValueError(f"acquisition must be 'estimate' or 'lower-bound', got {options.acquisition!r}")
     if options.max_wait is not None and not options.watch:
         raise ValueError(
             "max_wait (--max-wait) needs watch (--watch): without it the sweep ends once the checkpoints there are scored"
         )
-    run_dir = Path(run_dir)
+    if options.revisions and options.watch:
+        raise ValueError("watch (--watch) polls a run folder; a sweep over Hub revisions (--revisions) scores those listed")
+    if not options.revisions and (options.x or options.results or not options.keep_downloads):
+        raise ValueError("x, results and keep_downloads (--x, --results, --keep-downloads) go with revisions (--revisions)")
+    if options.revisions:
+        check_repo_id(str(source))
     # Fails early on a missing folder or a step claimed twice; and on a folder without checkpoints, unless watching for them.
-    if not find_checkpoints(run_dir) and not options.watch:
-        raise SweepError(no_checkpoints_message(run_dir))
-    records = read_records(run_dir / RESULTS_FILE)
+    elif not find_checkpoints(source) and not options.watch:
+        raise SweepError(no_checkpoints_message(source))
     if options.device_map and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("device_map spreads one model over every device: sweep on one process, or drop device_map")
     from .sweep_processes import SweepProcesses
 
     processes = SweepProcesses()
     try:
-        report = _sweep(run_dir, options, records, processes)
+        device = processes.device(options.device)
+        if options.revisions:
+            series = RevisionSeries(str(source), options, device)
+        else:
+            series = _RunFolder(Path(source), options, device)
+        try:
+            report = _sweep(series, options, read_records(series.results_path), processes)
+        except BaseException:
+            series.close(wait=False)  # Ctrl-C, an error: not held up by a download
+            raise
+        series.close(wait=True)
     finally:
         processes.close()
     report.acquisition = acquisition_steps(
@@ -226,31 +140,67 @@ def sweep(run_dir: str | os.PathLike, options: SweepOptions | None = None) -> Sw
     return report
 
 
-def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
+class _RunFolder:
+    """A training run's folder as a sweep's checkpoints: polled until complete (``revision_sweep.RevisionSeries``
+    is the other kind, a Hub repository's revisions)."""
+
+    axis = "step"
+
+    def __init__(self, run_dir: Path, options: SweepOptions, device: str | None):
+        self.options = options
+        self.results_path = run_dir / RESULTS_FILE
+        self.failures_path = run_dir / FAILURES_FILE
+        self.wandb_config = {"tatblimp_sweep_dir": str(run_dir)}
+        self.watcher = CheckpointWatcher(run_dir, options.poll_interval)
+        self.scorer = CheckpointScorer(run_dir, options, device)
+
+    def poll(self, done: set[str], settled: bool, report: SweepReport) -> tuple[list, list[str], bool]:
+        """(checkpoints to score, those not complete yet, whether to wait an interval first); on process 0 only."""
+        ready, pending = self.watcher.poll()
+        # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
+        settle = not self.options.watch and not settled and any(has_weights(c.path) for c in pending)
+        # In the results file before this call: not scored now, nor failed now (``done`` holds those too).
+        report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed})
+        return [c for c in ready if c.name not in done], [c.name for c in pending], settle
+
+    def begin(self, mine: list) -> None:
+        """The checkpoints this process will score, in order (a run folder's need nothing fetched ahead)."""
+
+    def score(self, checkpoint) -> tuple[str, Any]:
+        return score_or_failure(self.scorer, checkpoint)
+
+    def close(self, wait: bool) -> None:
+        pass
+
+
+def _poll(source: Any, done: set[str], settled: bool, report: SweepReport) -> tuple | SweepError:
+    try:
+        return source.poll(done, settled, report)
+    except SweepError as error:  # two checkpoints with one step, no such revision, ...
+        return error
+
+
+def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], processes: SweepProcesses) -> SweepReport:
     from tqdm.auto import tqdm
 
     first = processes.is_first
-    results_path = run_dir / RESULTS_FILE
+    results_path = source.results_path
     done = {record["checkpoint"] for record in records}
-    report = SweepReport(results_path=results_path, records=records)
-    watcher = CheckpointWatcher(run_dir, options.poll_interval)
-    scorer = CheckpointScorer(run_dir, options, processes.device(options.device))
-    check_same_files(records, scorer.benchmark, scorer.suites, results_path)
-    wandb_logger = _WandbLogger(options, run_dir) if first and (options.wandb_project or options.wandb_run_id) else None
+    report = SweepReport(results_path=results_path, records=records, failures_path=source.failures_path)
+    check_same_files(records, source.scorer.benchmark, source.scorer.suites, results_path)
+    wandb_logger = (
+        _WandbLogger(options, source.wandb_config) if first and (options.wandb_project or options.wandb_run_id) else None
+    )
     bar = None
     last_new = time.monotonic()
     settled = False
     try:
         while True:
-            poll = None
-            if first:
-                ready, pending = watcher.poll()
-                # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
-                settle = not options.watch and not settled and any(has_weights(c.path) for c in pending)
-                poll = ([c for c in ready if c.name not in done], [c.name for c in pending], settle)
-                # In the results file before this call: not scored now, nor failed now (``done`` holds those too).
-                report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed})
-            todo, report.incomplete, settle = processes.from_first(poll)
+            polled = _poll(source, done, settled, report) if first else None
+            polled = processes.from_first(polled)  # an error too, so that no process waits for process 0
+            if isinstance(polled, SweepError):
+                raise polled
+            todo, report.incomplete, settle = polled
             if settle:
                 settled = True
                 time.sleep(options.poll_interval)
@@ -261,8 +211,9 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
             elif todo:
                 bar.total = len(report.scored) + len(report.failed) + len(todo)
                 bar.refresh()
+            source.begin([mine for mine in processes.rounds(todo) if mine is not None])
             for mine in processes.rounds(todo):
-                outcome = score_or_failure(scorer, mine) if mine is not None else None
+                outcome = source.score(mine) if mine is not None else None
                 outcomes = processes.gather((mine, outcome))
                 stop = None
                 for checkpoint, (kind, value) in sorted((o for o in outcomes or () if o[0] is not None), key=lambda o: o[0].step):
@@ -276,15 +227,16 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
                         if wandb_logger:
                             wandb_logger.log(value)
                         bar.write(
-                            f"step {value['step']:>8}  acc {value['acc']:.4f}  acc_norm {value['acc_norm']:.4f}  ({checkpoint.name})"
+                            f"{source.axis} {value['step']:>8}  acc {value['acc']:.4f}  acc_norm {value['acc_norm']:.4f}  "
+                            f"({checkpoint.name})"
                         )
                     elif kind == "failed":
                         append_sweep_record(
-                            run_dir / FAILURES_FILE, {"step": checkpoint.step, "checkpoint": checkpoint.name, **value}
+                            source.failures_path, {"step": checkpoint.step, "checkpoint": checkpoint.name, **value}
                         )
                         done.add(checkpoint.name)  # not again in this run; the next run tries it again
                         report.failed[checkpoint.name] = value["error"]
-                        bar.write(f"step {checkpoint.step:>8}  FAILED: {value['error']}  ({checkpoint.name})")
+                        bar.write(f"{source.axis} {checkpoint.step:>8}  FAILED: {value['error']}  ({checkpoint.name})")
                     else:
                         report.vanished.append(checkpoint.name)
                         logger.warning("tatblimp: %s was deleted before it could be scored", checkpoint.name)
@@ -305,7 +257,7 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
     finally:
         if bar is not None:
             bar.close()
-    report.records = sorted(records, key=lambda record: record["step"])
+    report.records = sorted(without_replaced(records), key=lambda record: record["step"])
     report = processes.from_first(report)  # process 0 holds what every process scored
     if wandb_logger:
         wandb_logger.finish(
@@ -327,8 +279,13 @@ def _sweep(run_dir: Path, options: SweepOptions, records: list[dict[str, Any]], 
 
 def add_sweep_parser(commands) -> None:
     """Add ``tatblimp sweep`` to the CLI's sub-commands."""
-    parser = commands.add_parser("sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl")
-    parser.add_argument("run_dir", help="folder with checkpoint-<step> (or step_<step>, ckpt<step>, ...) sub-folders")
+    parser = commands.add_parser(
+        "sweep", help="score every checkpoint of a run folder into RUN_DIR/tatblimp.jsonl, or a Hub repository's revisions"
+    )
+    parser.add_argument(
+        "run_dir",
+        help="folder with checkpoint-<step> (or step_<step>, ckpt<step>, ...) sub-folders; with --revisions, a Hub model id",
+    )
     add_model_arguments(parser)
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
     add_suite_arguments(parser, suites_only=False)
@@ -340,6 +297,7 @@ def add_sweep_parser(commands) -> None:
     parser.add_argument("--wandb-run-id", help="resume this wandb run (e.g. the training run)")
     parser.add_argument("--wandb-entity", help="wandb entity of the project")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_revision_arguments(parser)
     parser.set_defaults(run=run_sweep)
 
 
@@ -351,27 +309,31 @@ def run_sweep(args: argparse.Namespace) -> None:
     report = sweep(args.run_dir, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return  # process 0 reports for all
-    if (
+    if not options.revisions and (
         not report.records and not report.incomplete and not report.vanished and not report.failed
     ):  # --watch ended and none ever came
         raise SweepError(no_checkpoints_message(args.run_dir))
+    kind = "revision(s)" if options.revisions else "checkpoint(s)"
     say(
-        f"{len(report.scored)} checkpoint(s) scored, {len(report.skipped)} already in {report.results_path}"
+        f"{len(report.scored)} {kind} scored, {len(report.skipped)} already in {report.results_path}"
         + (f", {len(report.incomplete)} not complete" if report.incomplete else "")
         + (f", {len(report.vanished)} deleted before scoring" if report.vanished else "")
         + (f", {len(report.failed)} failed" if report.failed else "")
         + (" (interrupted)" if report.interrupted else "")
     )
+    for line in revision_summary(report):
+        say(line)
     if report.acquisition:
         width = max(len(name) for name in report.acquisition)
         what = "acc_norm" if options.acquisition == "estimate" else "acc_norm's 95% lower bound"
-        say(f"acquisition step ({what} >= {options.threshold} through the last checkpoint):")
+        axis = report.records[-1].get("x", "step") if report.records else "step"
+        say(f"acquisition {axis} ({what} >= {options.threshold} through the last {kind[:-3]}):")
         for name, step in report.acquisition.items():
             say(f"  {name:<{width}}  {step if step is not None else 'never'}")
     if report.failed:
         for error in report.failed.values():
             print(f"  failed: {error}", file=sys.stderr)
         raise SweepError(
-            f"{len(report.failed)} checkpoint(s) could not be scored: {', '.join(report.failed)} "
-            f"(see {Path(args.run_dir) / FAILURES_FILE}; a rerun tries them again)"
+            f"{len(report.failed)} {kind} could not be scored: {', '.join(report.failed)} "
+            f"(see {report.failures_path}; a rerun tries them again)"
         )

@@ -140,6 +140,7 @@ def plot_runs(
     threshold: float | None = DEFAULT_THRESHOLD,
     prefix: str = "tatblimp",
     levels: Mapping[str, Mapping[str, Any]] | None = None,
+    x_label: str = "step",
 ) -> None:
     """Draw several runs' curves over steps (one line per run) to an image file (PNG, SVG, PDF, ...).
 
@@ -148,7 +149,8 @@ def plot_runs(
     around the line (an error bar for a run of one point, drawn as a large marker). A dashed line marks
     ``threshold`` (None: no line), a dotted one chance (0.5); the legend names every line. A history may also be
     records with ``Results.to_dict()``'s keys (see ``plot_curves``). ``levels``: results without a step
-    (label -> entry or record), each drawn as a horizontal line. Needs matplotlib
+    (label -> entry or record), each drawn as a horizontal line. ``x_label``: what the steps count (a sweep of Hub
+    revisions may count tokens or words). Needs matplotlib
     (``pip install tatblimp-callback[plot]``).
     """
     plt = require_matplotlib()
@@ -181,7 +183,7 @@ def plot_runs(
         axis.tick_params(labelsize=7)
     for axis in list(axes.flat)[len(panels) :]:
         axis.axis("off")
-    figure.supxlabel("step", fontsize=8)
+    figure.supxlabel(x_label, fontsize=8)
     figure.supylabel(metric, fontsize=8)
     handles = {}
     for axis in axes.flat:

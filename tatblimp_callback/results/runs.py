@@ -21,6 +21,7 @@ from .stats import Outcomes
 logger = logging.getLogger(__name__)
 
 JSONL_NAMES = ("tatblimp.jsonl", "tatblimp_history.jsonl")  # labelled by their folder
+HUB_SWEEP_SUFFIX = ".tatblimp.jsonl"  # a sweep of a Hub repository's revisions, labelled by the name before it
 
 
 class CompareError(ValueError):
@@ -95,6 +96,8 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise CompareError(f"{path}: cannot read ({err.strerror or err})") from None
+    if not label and path.name.endswith(HUB_SWEEP_SUFFIX):  # a sweep of Hub revisions: org--name.tatblimp.jsonl
+        label = path.name.removesuffix(HUB_SWEEP_SUFFIX)
     label = label or (path.parent.name if path.name in JSONL_NAMES and path.parent.name else path.stem)
     try:
         whole = json.loads(text)
@@ -131,7 +134,16 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
         records.append(record)
     if not records:
         raise CompareError(f"{path}: holds no results")
-    return sorted(records, key=lambda r: r["step"])  # stable: of two lines with one step, the later stays later
+    return sorted(without_replaced(records), key=lambda r: r["step"])  # stable: of two lines with one step, the later stays later
+
+
+def without_replaced(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` without those a later record replaced: a Hub revision re-uploaded and scored again names, in its
+    ``replaces``, each name's earlier commit, whose record then leaves the curve."""
+    replaced = {(name, commit) for record in records for name, commit in record.get("replaces", {}).items()}
+    if not replaced:
+        return records
+    return [r for r in records if not any((name, r.get("commit")) in replaced for name in r.get("revisions", ()))]
 
 
 def _check_record(record: Any, where: str) -> None:
