@@ -15,7 +15,8 @@ compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.p
 Either way an alert also needs a fall of at least ``min_drop`` (5 points) on the pairs finite in both. A group does
 not alert again until it recovers, that is until it is back within half of ``min_drop`` of its best score on every
 pair finite there (an evaluation where some of those pairs are not finite neither recovers nor clears anything).
-A best measured on fewer than half as many finite pairs as a later evaluation gives way to it.
+A score measured on fewer than half as many finite pairs as the best does not become the best, and a best measured
+on fewer than half as many as a later evaluation gives way to it.
 
 ``RegressionMonitor`` does this one evaluation at a time (the callback); ``replay_alerts`` runs it over the
 records of a sweep or a history file (the report). ``benchmarks/bench_alert_false_alarms.py`` measures both
@@ -185,7 +186,9 @@ class RegressionMonitor:
             self._seen[key] = self._seen.get(key, 0) + 1
             self._previous[key] = now
             best = self._best.get(key)
-            if best is None or now.score > best.score or 2 * best.finite < now.finite:
+            # A score on fewer than half the best's finite pairs does not become the best (a few pairs can score
+            # high by chance and hide later falls); a best on fewer than half of a later evaluation's gives way.
+            if best is None or (now.score > best.score and 2 * now.finite >= best.finite) or 2 * best.finite < now.finite:
                 self._best[key] = now
         return alerts
 
