@@ -199,6 +199,6 @@ def test_replay_keeps_a_step_scored_twice_once():
         twice = replay_alerts([record(0, 38), record(1, 36), record(1, 38), record(2, 25)], mode=mode)
         assert once and twice == once
     # per_evaluation by hand: 13 pairs only the best passes; 2 earlier evaluations; BH over overall, a, b
-    (overall, a) = once
+    (_, a) = once
     p = binomtest(0, 13, 0.5).pvalue
     assert a.q_value == pytest.approx(false_discovery_control([2 * p, 2 * p, 1.0], method="bh")[1])
