@@ -215,3 +215,26 @@ def test_a_resumed_run_goes_on_with_its_sequence_and_an_unreadable_record_is_sai
     restarted = RegressionMonitor()
     restarted.observe(90, {"tatblimp": Outcomes.from_record(records[-1])})
     assert restarted.observe(100, {"tatblimp": fallen})[1].q_value < expected.q_value / 2
+
+
+def _count_on(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tatblimp_callback.training.alerts import RegressionAlerts
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    alerts = RegressionAlerts(True, 0.05, 0.05, "tatblimp")
+    alerts.count = 2 if rank == 0 else 0  # only rank 0 compared a resumed run with its history file, and alerted
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(alerts.agreed_count(main_process=rank == 0)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_process_logs_the_main_processs_alert_count(tmp_path):
+    """#39's suspicion, real: only rank 0 restores the monitor from the history file, so after a resume the ranks'
+    ``tatblimp/alerts`` (in Lightning's callback_metrics on every rank) could differ; now all take rank 0's.
+    Two real gloo processes."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_count_on, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
+    assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)] == [{"tatblimp/alerts": 2.0}] * 2

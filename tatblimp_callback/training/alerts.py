@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..engine import distributed
 from ..reading.jsonl import read_complete_lines
 from ..results.learning import LearningSummary, learning_summary
 from ..results.metrics import Results
@@ -71,6 +72,14 @@ class RegressionAlerts:
                 logger.warning("tatblimp: REGRESSION: %s", alert.text)
                 self._to_wandb(alert)
         return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}  # as failures: once there are any
+
+    def agreed_count(self, main_process: bool = True) -> dict[str, float]:
+        """``<prefix>/alerts``, the run's count, the same on every process (a collective under torch.distributed,
+        called by all after ``observe``): the main process's, since only it compared a resumed run's evaluations
+        with those of its history file. From the first alert on (as ``<prefix>/failures``)."""
+        if self.enabled:
+            self.count = distributed.check_in(value=self.count if main_process else 0)[1]
+        return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}
 
     def restore(self, path: os.PathLike | str) -> None:
         """A resumed run: the evaluations kept in its history file (those up to the checkpoint) go through the monitor

@@ -185,7 +185,8 @@ class InLoopMonitor:
             if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too
                 results = self.last_results if self._last_results_weights == weights else None
                 if results is not None:  # a line of the history file too: the alerts see it, as a replay of the file does
-                    self._last_metrics = {**known, **self.alerts.observe(step, results, main)}
+                    self.alerts.observe(step, results, main)
+                    self._last_metrics = {**known, **self.alerts.agreed_count(main)}
                 self._record(step, self._last_metrics, results, publish, main)
             return self._last_metrics
         with rng_preserved():
@@ -197,7 +198,8 @@ class InLoopMonitor:
             fc_results = self.guarded(self.fc_evaluator, model) if self.fc_evaluator is not None else None
         metrics = self._metrics(step, results, fc_results, weights)
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
-            metrics.update(self.alerts.observe(step, results, main))
+            self.alerts.observe(step, results, main)
+            metrics.update(self.alerts.agreed_count(main))
         self._last_metrics = metrics
         if weights is not None and self.has_results(metrics):  # a failure may pass (out of memory): tried again
             self._by_weights[weights] = metrics
