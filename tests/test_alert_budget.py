@@ -80,3 +80,13 @@ def test_the_benchmark_simulation_raises_the_monitors_alerts_alert_for_alert():
         assert sorted(seen[mode]) == sorted(expected[mode])
         assert len(expected[mode]) >= 10  # there was something to agree on
     assert len(expected["per_run"]) < len(expected["per_evaluation"])
+
+
+def test_runs_that_never_regress_rarely_alert_per_run_and_often_per_evaluation():
+    """200 simulated runs of 60 evaluations on TatBLiMP's shape, every pair redrawn at each evaluation (the
+    benchmark's harshest null): at most alert_q of them alert per run (4 here); the per-evaluation rule almost half (92)."""
+    bench = _bench()
+    groups, index, _ = bench.membership(tuple(f"p{i // 78}" for i in range(1248)))
+    figures = bench.false_alarms(groups, index, 200, 60, "redraw_all", seed=0, chunk=200)
+    assert figures["per_run"]["runs_with_an_alert"]["count"] <= 10  # 5% of 200
+    assert figures["per_evaluation"]["runs_with_an_alert"]["count"] >= 40
