@@ -206,6 +206,9 @@ def test_a_resumed_run_goes_on_with_its_sequence_and_an_unreadable_record_is_sai
     (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
     assert "1 record(s)" in warning and "record 5" in warning and "no per-pair outcomes" in warning
     assert resumed.monitor.evaluations == 10 and [s for s, _ in resumed.evaluations] == [0, 10, 20, 30, 50, 60, 70, 80, 90]
+    from_the_file_alone = RegressionAlerts(True, 0.05, 0.05, "tatblimp")
+    from_the_file_alone.restore(path)
+    assert from_the_file_alone.monitor.evaluations == 10  # the unreadable record counted too
     # The run without a break (the unreadable evaluation seen as one that cannot be read).
     whole = RegressionMonitor()
     for r in records:
