@@ -1,35 +1,50 @@
-"""How often the callback's regression alerts fire on runs that do not regress, and how often the fitted
-acquisition intervals hold the true midpoint: both by simulation, with the defaults (q < 0.05, a 5-point drop;
-200 bootstrap draws).
+"""How often the regression alerts fire on runs that do not regress, how fast they find a real fall, and how often
+the fitted acquisition intervals hold the true midpoint: all by simulation, with the defaults (alert_q 0.05, a
+5-point drop; 200 bootstrap draws), for both alert modes (per_run, the default, and per_evaluation).
 
-False alarms: runs of ``--evaluations`` evaluations on TatBLiMP's shape (its 16 phenomena with their real pair
-counts, 1,248 pairs, and the overall score) whose accuracy does not change: every pair has its own pass
-probability (drawn once from a Beta around 0.7, kept through the run) and at each evaluation a share
-``--redraw`` of the pairs have their outcome drawn again (1.0: every pair's outcome is new noise at every
-evaluation, the harshest case; real runs change far fewer pairs between evaluations). The rate is the share of
-runs with at least one alert.
+Runs have TatBLiMP's shape (its 16 phenomena with their real pair counts, 1,248 pairs, and the overall score).
+Every pair has its own pass probability, drawn once from a Beta around 0.7, and a noise model says how the
+outcomes change from one evaluation to the next:
 
-Coverage: synthetic histories with a known midpoint (a logistic curve in log(1 + step) from chance to a plateau),
-binomial noise on ``--pairs`` pairs a phenomenon; the rate is the share of fitted 95% intervals that hold the true
-midpoint.
+- ``redraw_all``: every pair's outcome is drawn again at every evaluation (the harshest case);
+- ``redraw_fifth``: a fifth of the pairs are drawn again, the others keep their outcome;
+- ``drift``: as ``redraw_fifth``, but each phenomenon's pass probabilities drift slowly up and down (a sine in
+  logit space, amplitude 0.12, period a third of the run, its own phase): its expected score moves by about
+  2 points either way, less than the 5-point minimum.
 
-    python benchmarks/bench_alert_false_alarms.py --runs 200 --evaluations 20
+False alarms: the share of runs of 20, 100 and 500 evaluations with at least one alert (95% Wilson interval).
+Detection: a phenomenon of 80 pairs at 0.90 (pass probabilities from Beta(9, 1)) falls at evaluation F
+(20, 100, 500) to 0.50 or 0.70 and stays there (each pass it had stays a pass with probability 0.50/0.90 or
+0.70/0.90, and later draws use its pass probabilities scaled alike), or every pair's falls so that the overall
+score loses 5 points; the delay is the number of evaluations from the fall to the alert of that group.
+
+The alert arithmetic is the package's own (``results/alert_budget.py``, and the per-evaluation mode's BH), run on
+arrays of many runs at once; ``tests/test_alert_budget.py`` checks this simulation against ``RegressionMonitor``
+on the same outcomes, alert for alert.
+
+    python benchmarks/bench_alert_false_alarms.py --runs 1000 --json benchmarks/results/alert_false_alarms.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import time
-from collections import Counter
 
 import numpy as np
+from scipy.stats import binom, false_discovery_control
 
 from tatblimp_callback.reading.data import load_benchmark
+from tatblimp_callback.results import alert_budget
 from tatblimp_callback.results.learning import _curve, fit_acquisition
-from tatblimp_callback.results.regressions import RegressionMonitor
-from tatblimp_callback.results.stats import Outcomes, encode_outcomes
+from tatblimp_callback.results.regressions import DEFAULT_ALERT_Q, DEFAULT_MIN_DROP
+from tatblimp_callback.results.stats import encode_outcomes, wilson_interval
+
+NOISE_MODELS = ("redraw_all", "redraw_fifth", "drift")
+MODES = ("per_run", "per_evaluation")
 
 
 def phenomenon_of_each_pair(data: str | None) -> tuple[str, ...]:
@@ -39,34 +54,152 @@ def phenomenon_of_each_pair(data: str | None) -> tuple[str, ...]:
         return tuple(f"phenomenon_{i // 78}" for i in range(1248))
 
 
-def false_alarm_rate(phenomena, runs: int, evaluations: int, redraw: float, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    n = len(phenomena)
-    alarmed, alerts, alarmed_evaluations = 0, Counter(), 0
-    for _ in range(runs):
-        p = rng.beta(7, 3, n)  # each pair's own pass probability, mean 0.7
-        passed = rng.random(n) < p
-        monitor = RegressionMonitor()
-        raised = 0
-        for step in range(evaluations):
-            if step:
-                again = rng.random(n) < redraw
-                passed = np.where(again, rng.random(n) < p, passed)
-            text = encode_outcomes(bool(v) for v in passed)
-            found = monitor.observe(step * 100, {"tatblimp": Outcomes(text, text, phenomena)})
-            raised += len(found)
-            alarmed_evaluations += bool(found)
-            alerts.update(alert.group for alert in found)
-        alarmed += raised > 0
+def membership(phenomena) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(pairs x groups indicator, the phenomenon index of each pair, group names): group 0 is overall."""
+    names = list(dict.fromkeys(phenomena))
+    index = np.array([names.index(name) for name in phenomena])
+    groups = np.zeros((len(phenomena), len(names) + 1), np.int32)
+    groups[:, 0] = 1
+    groups[np.arange(len(phenomena)), index + 1] = 1
+    return groups, index, ["overall", *names]
+
+
+class Monitors:
+    """Both modes' monitors over ``runs`` runs at once, fed one evaluation (runs x pairs booleans) at a time;
+    the same rules as ``RegressionMonitor`` for outcomes that are all finite."""
+
+    def __init__(self, groups: np.ndarray, runs: int, alpha=DEFAULT_ALERT_Q, min_drop=DEFAULT_MIN_DROP):
+        self.groups, self.alpha, self.min_drop = groups, alpha, min_drop
+        self.sizes = groups.sum(0)
+        self.phenomenon = groups[:, 1:].argmax(1)
+        self.evaluations = 0
+        self.best_score = np.full((runs, groups.shape[1]), -1.0)
+        self.best_phenomena = self.best_overall = self.previous = None  # outcomes of each group's best; the previous
+        self.fallen = {mode: np.zeros((runs, groups.shape[1]), bool) for mode in MODES}
+
+    def _counts(self, reference_phenomena, reference_overall, passed):
+        b = (reference_phenomena & ~passed).astype(np.int32) @ self.groups
+        c = (~reference_phenomena & passed).astype(np.int32) @ self.groups
+        b[:, 0] = (reference_overall & ~passed).sum(1)
+        c[:, 0] = (~reference_overall & passed).sum(1)
+        return b, c
+
+    def observe(self, passed: np.ndarray) -> dict[str, np.ndarray]:
+        """The alerts of this evaluation (runs x groups booleans) of each mode."""
+        earlier, self.evaluations = self.evaluations, self.evaluations + 1
+        alerts = {mode: np.zeros(self.best_score.shape, bool) for mode in MODES}
+        if earlier:
+            b, c = self._counts(self.best_phenomena, self.best_overall, passed)
+            drop = (b - c) / self.sizes
+            p_best = np.where(drop >= self.min_drop, alert_budget.fall_p_value(b, c), 1.0)
+            bp, cp = self._counts(self.previous, self.previous, passed)
+            p_previous = np.where((bp - cp) / self.sizes >= self.min_drop, alert_budget.fall_p_value(bp, cp), 1.0)
+            q = alert_budget.run_q_values(alert_budget.group_p_value(p_previous, p_best, earlier), earlier)
+            alerts["per_run"] = q <= self.alpha
+            two_sided = np.where(b == c, 1.0, np.minimum(1.0, 2 * binom.cdf(np.minimum(b, c), b + c, 0.5)))
+            q_bh = false_discovery_control(np.minimum(1.0, two_sided * earlier), axis=-1, method="bh")
+            alerts["per_evaluation"] = (q_bh < self.alpha) & (drop >= self.min_drop)
+            for mode in MODES:
+                fallen = self.fallen[mode]
+                alerts[mode] &= ~fallen
+                self.fallen[mode] = np.where(fallen, drop >= self.min_drop / 2, alerts[mode])
+        score = (passed.astype(np.int32) @ self.groups) / self.sizes
+        better = score > self.best_score
+        self.best_score = np.where(better, score, self.best_score)
+        if self.best_phenomena is None:
+            self.best_phenomena, self.best_overall = passed.copy(), passed.copy()
+        else:
+            self.best_phenomena = np.where(better[:, 1:][:, self.phenomenon], passed, self.best_phenomena)
+            self.best_overall = np.where(better[:, :1], passed, self.best_overall)
+        self.previous = passed
+        return alerts
+
+
+def simulate(groups, index, runs, evaluations, noise, rng, fall=None) -> dict[str, np.ndarray]:
+    """Each mode's alerts of ``runs`` runs (evaluations x runs x groups booleans). ``fall``: (group, at, to):
+    that group (0: overall) falls at evaluation ``at`` to ``to`` times its mean, as the module's docstring says."""
+    n = groups.shape[0]
+    base = rng.beta(7, 3, (runs, n))
+    falling = np.ones(n, bool) if fall and fall[0] == 0 else None
+    if fall and fall[0]:
+        falling = groups[:, fall[0]].astype(bool)
+        base[:, falling] = rng.beta(9, 1, (runs, int(falling.sum())))
+    phase = rng.uniform(0, 2 * np.pi, (runs, groups.shape[1] - 1))
+    logit = np.log(base / (1 - base))
+    passed = rng.random((runs, n)) < base
+    monitors = Monitors(groups, runs)
+    found = {mode: np.zeros((evaluations, runs, groups.shape[1]), bool) for mode in MODES}
+    for e in range(evaluations):
+        if e:
+            p = base
+            if noise == "drift":
+                p = 1 / (1 + np.exp(-(logit + 0.12 * np.sin(2 * np.pi * e / max(evaluations / 3, 6) + phase)[:, index])))
+            kept = 1.0
+            if fall and e >= fall[1]:
+                kept = fall[2]
+                p = np.where(falling, p * kept, p)
+            again = rng.random((runs, n)) < (1.0 if noise == "redraw_all" else 0.2)
+            if fall and e == fall[1]:  # the fall: passes turn into fails
+                passed = np.where(falling & ~again, passed & (rng.random((runs, n)) < kept), passed)
+            passed = np.where(again, rng.random((runs, n)) < p, passed)
+        for mode, alerts in monitors.observe(passed).items():
+            found[mode][e] = alerts
+    return found
+
+
+def rate(count: int, total: int) -> dict:
+    low, high = wilson_interval(count, total)
+    return {"count": int(count), "of": int(total), "rate": count / total, "interval": [low, high]}
+
+
+def false_alarms(groups, index, runs, evaluations, noise, seed, chunk) -> dict:
+    rng = np.random.default_rng([seed, evaluations, NOISE_MODELS.index(noise)])
+    alarmed = dict.fromkeys(MODES, 0)
+    evaluation_alarms = dict.fromkeys(MODES, 0)
+    for start in range(0, runs, chunk):
+        found = simulate(groups, index, min(chunk, runs - start), evaluations, noise, rng)
+        for mode in MODES:
+            alarmed[mode] += int(found[mode].any(axis=(0, 2)).sum())
+            evaluation_alarms[mode] += int(found[mode].any(axis=2).sum())
     return {
-        "runs": runs,
+        "noise": noise,
         "evaluations": evaluations,
-        "redraw": redraw,
-        "runs_with_an_alert": alarmed,
-        "rate": alarmed / runs,
-        "evaluation_rate": alarmed_evaluations / (runs * (evaluations - 1)),
-        "groups": dict(alerts.most_common(5)),
+        **{
+            mode: {
+                "runs_with_an_alert": rate(alarmed[mode], runs),
+                "evaluations_with_an_alert": rate(evaluation_alarms[mode], runs * (evaluations - 1)),
+            }
+            for mode in MODES
+        },
     }
+
+
+def detection(groups, index, names, runs, at, what, noise, seed, chunk, after=3) -> dict:
+    """Delays of the alert of a fall at evaluation ``at``: ``what`` is "0.5" or "0.7" (a phenomenon of 80 pairs
+    from 0.90) or "overall -5" (every pair's pass probability scaled so that the overall mean loses 5 points)."""
+    sizes = groups.sum(0)
+    group = 0 if what == "overall -5" else int(np.flatnonzero(sizes[1:] == 80)[0]) + 1
+    to = (1 - 0.05 / 0.7) if group == 0 else float(what) / 0.9
+    rng = np.random.default_rng([seed, at, NOISE_MODELS.index(noise), group])
+    delays = {mode: [] for mode in MODES}
+    for start in range(0, runs, chunk):
+        found = simulate(groups, index, min(chunk, runs - start), at + after + 1, noise, rng, fall=(group, at, to))
+        for mode in MODES:
+            alerted = found[mode][:, :, group]
+            before = alerted[:at].any(0)
+            first = np.where(alerted[at:].any(0), alerted[at:].argmax(0), -1)
+            delays[mode] += [-2 if b else int(f) for b, f in zip(before, first)]  # -2: alerted before the fall
+    out = {"fall": what, "group": names[group], "pairs": int(sizes[group]), "at": at, "noise": noise}
+    for mode in MODES:
+        d = np.array(delays[mode])
+        out[mode] = {
+            "at_the_fall": rate(int((d == 0).sum()), runs),
+            "within_2": rate(int(((d >= 0) & (d <= 2)).sum()), runs),
+            f"missed_within_{after}": rate(int((d == -1).sum()), runs),
+            "alerted_before": rate(int((d == -2).sum()), runs),
+            "median_delay": float(np.median(np.where(d >= 0, d, after + 1))),
+        }
+    return out
 
 
 def coverage(histories: int, pairs: int, bootstrap: int, seed: int) -> dict:
@@ -86,24 +219,41 @@ def coverage(histories: int, pairs: int, bootstrap: int, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--evaluations", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=1000, help="null runs of each length and noise model")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[20, 100, 500])
+    parser.add_argument("--detection-runs", type=int, default=1000, help="runs of each fall (fewer for a fall at 500)")
+    parser.add_argument("--detection-runs-late", type=int, default=300, help="runs of each fall at the 500th evaluation")
     parser.add_argument("--histories", type=int, default=200)
     parser.add_argument("--pairs", type=int, default=78, help="pairs a phenomenon in the coverage histories")
     parser.add_argument("--bootstrap", type=int, default=200)
+    parser.add_argument("--chunk", type=int, default=250, help="runs simulated at once")
     parser.add_argument("--data", help="the benchmark file (its phenomena and their sizes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    phenomena = phenomenon_of_each_pair(args.data)
+    groups, index, names = membership(phenomenon_of_each_pair(args.data))
     start = time.perf_counter()
     figures = {
-        "machine": f"{platform.machine()} {platform.system()}",
-        "false_alarms": [false_alarm_rate(phenomena, args.runs, args.evaluations, redraw, args.seed) for redraw in (1.0, 0.2)],
-        "coverage": coverage(args.histories, args.pairs, args.bootstrap, args.seed),
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
+        "date": datetime.date.today().isoformat(),
+        "load_before": os.getloadavg()[0],
+        "settings": {"alert_q": DEFAULT_ALERT_Q, "min_drop": DEFAULT_MIN_DROP, "seed": args.seed},
+        "false_alarms": [],
+        "detection": [],
     }
+    for noise in NOISE_MODELS:
+        for length in args.lengths:
+            figures["false_alarms"].append(false_alarms(groups, index, args.runs, length, noise, args.seed, args.chunk))
+            print(json.dumps(figures["false_alarms"][-1]), flush=True)
+    for noise in ("redraw_all", "redraw_fifth"):
+        for what in ("0.5", "0.7", "overall -5"):
+            for at in args.lengths:
+                runs = args.detection_runs_late if at >= 500 else args.detection_runs
+                figures["detection"].append(detection(groups, index, names, runs, at, what, noise, args.seed, args.chunk))
+                print(json.dumps(figures["detection"][-1]), flush=True)
+    figures["coverage"] = coverage(args.histories, args.pairs, args.bootstrap, args.seed)
     figures["seconds"] = time.perf_counter() - start
-    print(json.dumps(figures, indent=1))
+    figures["load_after"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(figures, handle, indent=1)

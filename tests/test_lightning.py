@@ -232,6 +232,11 @@ def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_token
     lines = [json.loads(line) for line in read_complete_lines(tmp_path / "tatblimp_history.jsonl")]
     assert [line["step"] for line in lines] == [0, 2, 4, 6]
     assert [line["acc_norm"] for line in lines] == [e["tatblimp/acc_norm"] for e in second.history]
+    # The alerts' per-run sequence went on from the checkpoint's evaluations (0 and 2), and a replay of the file agrees.
+    from tatblimp_callback.results.regressions import recorded_alerts, replay_alerts
+
+    assert second._monitor.alerts.monitor.evaluations == 4
+    assert recorded_alerts(lines) == replay_alerts(lines)
 
 
 def test_the_model_is_found_named_or_refused_clearly(tmp_path, bpe_tokenizer, small_data):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from scipy.stats import binomtest, false_discovery_control
@@ -18,8 +20,8 @@ def outcomes(a_passed: int, b_passed: int = 30) -> Outcomes:
     return Outcomes(text, text, PHENOMENA)
 
 
-def test_a_fall_alerts_once_with_its_steps_scores_and_q_until_it_recovers():
-    monitor = RegressionMonitor()
+def test_per_evaluation_a_fall_alerts_once_with_its_steps_scores_and_q_until_it_recovers():
+    monitor = RegressionMonitor(mode="per_evaluation")
     assert monitor.observe(0, {"tatblimp": outcomes(30)}) == []
     assert monitor.observe(100, {"tatblimp": outcomes(38)}) == []  # rising: nothing
     alerts = monitor.observe(200, {"tatblimp": outcomes(20)})
@@ -44,7 +46,7 @@ def test_a_significant_fall_smaller_than_the_minimum_does_not_alert():
     before = "1" * 3000 + "0" * 1000
     after = "1" * 2840 + "0" * 1160  # 4 points down: p ~ 1e-48
     for min_drop, expected in ((0.05, []), (0.03, ["t/overall", "t/big"])):
-        monitor = RegressionMonitor(min_drop=min_drop)
+        monitor = RegressionMonitor(min_drop=min_drop, mode="per_evaluation")
         monitor.observe(0, {"t": Outcomes(before, before, many)})
         assert [alert.key for alert in monitor.observe(1, {"t": Outcomes(after, after, many)})] == expected
 
@@ -65,9 +67,11 @@ def test_other_pairs_or_a_new_suite_start_afresh_and_bad_options_are_refused():
         RegressionMonitor(alpha=0)
     with pytest.raises(ValueError, match="minimum drop"):
         RegressionMonitor(min_drop=1.5)
+    with pytest.raises(ValueError, match="alert mode must be one of 'per_run', 'per_evaluation'"):
+        RegressionMonitor(mode="per-run")
 
 
-def test_random_fluctuation_alerts_at_most_alert_q_of_the_evaluations():
+def test_per_evaluation_random_fluctuation_alerts_at_most_alert_q_of_the_evaluations():
     """The null: every pair's outcome drawn afresh at every evaluation around its own fixed pass probability. The
     correction for choosing the best of k earlier evaluations and BH keep an evaluation's chance of any alert under
     q (0.05); measured here on 30 runs of 20 evaluations of TatBLiMP's size (the benchmark: about 0.01)."""
@@ -76,7 +80,7 @@ def test_random_fluctuation_alerts_at_most_alert_q_of_the_evaluations():
     alarmed = evaluations = 0
     for _ in range(30):
         p = rng.beta(7, 3, 1248)
-        monitor = RegressionMonitor()
+        monitor = RegressionMonitor(mode="per_evaluation")
         for step in range(20):
             text = encode_outcomes(bool(v) for v in rng.random(1248) < p)
             alarmed += bool(monitor.observe(step, {"tatblimp": Outcomes(text, text, phenomena)}))
@@ -98,9 +102,103 @@ def test_replay_over_records_and_recorded_alerts_round_trip():
     for r in records:
         r["acc"] = r["acc_norm"] = r["outcomes"]["acc"].count("1") / 80
     alerts = replay_alerts(records)
-    assert [(a.key, a.step) for a in alerts] == [("tatblimp/overall", 1), ("tatblimp/a", 1)]
+    assert [(a.key, a.step, a.mode) for a in alerts] == [("tatblimp/overall", 1, "per_run"), ("tatblimp/a", 1, "per_run")]
     assert recorded_alerts(records) is None
     records[1]["alerts"] = [alert.to_dict() for alert in alerts]
     assert recorded_alerts(records) == alerts
     with pytest.raises(ValueError, match="malformed alert"):
         RegressionAlert.from_dict({"step": 1})
+    older = {k: v for k, v in alerts[0].to_dict().items() if k not in ("mode", "reference")}  # written before the mode
+    assert RegressionAlert.from_dict(older).mode == "per_evaluation"
+
+
+def test_per_run_a_fall_alerts_with_the_run_wide_q_computed_by_hand():
+    """The q of the default mode, from scipy and the formula of the share, not from the module: the one-sided exact
+    binomial of 18 pairs only the reference passes, the better of the previous (x2) and best (x2 earlier x2)
+    references, Holm over the three groups, divided by the share of the 2nd comparison."""
+    monitor = RegressionMonitor()
+    monitor.observe(0, {"tatblimp": outcomes(30)})
+    monitor.observe(100, {"tatblimp": outcomes(38)})
+    alerts = monitor.observe(200, {"tatblimp": outcomes(20)})
+    assert [(a.key, a.reference, a.best_step, a.mode) for a in alerts] == [
+        ("tatblimp/overall", "previous", 100, "per_run"),
+        ("tatblimp/a", "previous", 100, "per_run"),
+    ]
+    p = binomtest(18, 18, 0.5, alternative="greater").pvalue
+    group_p = min(p / 0.5, p * 2 / 0.5)  # previous; best (chosen among 2 earlier evaluations)
+    holm = max(3 * group_p, 2 * group_p)  # overall and a tie; b did not fall (p = 1)
+    share = 1 / (0.42515696619253746 * 12 * math.log(12) ** 2)
+    assert alerts[1].p_value == pytest.approx(p) and alerts[1].q_value == pytest.approx(holm / share)
+    assert alerts[0].q_value == pytest.approx(holm / share) and alerts[1].q_value < 0.05
+    assert "(the previous evaluation)" in alerts[1].text and "within the run's false-alarm budget" in alerts[1].text
+    assert monitor.observe(300, {"tatblimp": outcomes(21)}) == []  # still fallen: not again
+    assert monitor.observe(400, {"tatblimp": outcomes(38)}) == []  # recovered
+    assert [a.key for a in monitor.observe(500, {"tatblimp": outcomes(19)})] == ["tatblimp/overall", "tatblimp/a"]
+
+
+def test_the_same_fall_later_in_the_run_needs_more_evidence_and_the_count_goes_on_across_benchmarks():
+    """The 30th comparison spends less than the 1st: a fall of 13 of 40 pairs alerts early, not late; a suite that
+    comes in later is counted in the same sequence (the budget is the run's)."""
+    early, late = RegressionMonitor(), RegressionMonitor()
+    early.observe(0, {"t": outcomes(38)})
+    for step in range(30):
+        late.observe(step, {"t": outcomes(38), **({"suite": outcomes(38)} if step % 2 else {})})
+    assert late.evaluations == 30
+    assert [a.group for a in early.observe(1, {"t": outcomes(25)})] == ["overall", "a"]
+    assert late.observe(30, {"t": outcomes(25)}) == []
+    assert [a.group for a in late.observe(31, {"t": outcomes(5)})] == ["overall", "a"]  # 33 pairs: enough even there
+
+
+def _nan_part(passed: int | None) -> str:
+    return "-" * 40 if passed is None else "1" * passed + "0" * (40 - passed)
+
+
+@pytest.mark.parametrize("mode", ["per_run", "per_evaluation"])
+def test_an_evaluation_without_finite_pairs_is_no_recovery_so_one_fall_alerts_once(mode):
+    """#39: a falls 0.95 -> 0.50 at step 200, is all NaN at 300, still 0.50 at 400: one alert for a, one for
+    overall (compared at 300 on b's pairs only, which is no recovery either)."""
+    monitor = RegressionMonitor(mode=mode)
+    seen = []
+    for step, a in ((0, 38), (100, 38), (200, 20), (300, None), (400, 20), (500, 20)):
+        text = _nan_part(a) + "1" * 30 + "0" * 10
+        seen += [(alert.step, alert.group) for alert in monitor.observe(step, {"t": Outcomes(text, text, PHENOMENA)})]
+    assert seen == [(200, "overall"), (200, "a")]
+
+
+@pytest.mark.parametrize("mode", ["per_run", "per_evaluation"])
+def test_a_best_on_a_few_finite_pairs_does_not_hide_a_later_fall(mode):
+    """#39's suspicion, real: a at 36/40, then 2 finite pairs passing (1.0), then 20/40: compared with those 2 pairs
+    the fall was never significant; now the few-pair score does not become the best, and the fall alerts."""
+    monitor = RegressionMonitor(mode=mode)
+    few = "11" + "-" * 38 + "1" * 30 + "0" * 10
+    monitor.observe(0, {"t": Outcomes(*[_nan_part(36) + "1" * 30 + "0" * 10] * 2, PHENOMENA)})
+    monitor.observe(100, {"t": Outcomes(few, few, PHENOMENA)})
+    fallen = _nan_part(20) + "1" * 30 + "0" * 10
+    alerts = monitor.observe(200, {"t": Outcomes(fallen, fallen, PHENOMENA)})
+    assert [(a.group, a.best_step, a.n) for a in alerts if a.group == "a"] == [("a", 0, 40)]
+
+
+def test_replay_keeps_a_step_scored_twice_once():
+    """#39's suspicion, real: a sweep step scored twice was replayed as two evaluations (one more earlier evaluation
+    in the correction, and one more comparison of the run); now the last record of a step counts, as in
+    evaluations_from_records."""
+
+    def record(step, a):
+        o = outcomes(a)
+        runs = [["a", 40], ["b", 40]]
+        share = o.acc.count("1") / 80
+        return {
+            "step": step,
+            "acc": share,
+            "acc_norm": share,
+            "outcomes": {"acc": o.acc, "acc_norm": o.acc_norm, "phenomenon_runs": runs},
+        }
+
+    for mode in ("per_run", "per_evaluation"):
+        once = replay_alerts([record(0, 38), record(1, 38), record(2, 25)], mode=mode)
+        twice = replay_alerts([record(0, 38), record(1, 36), record(1, 38), record(2, 25)], mode=mode)
+        assert once and twice == once
+    # per_evaluation by hand: 13 pairs only the best passes; 2 earlier evaluations; BH over overall, a, b
+    (_, a) = once
+    p = binomtest(0, 13, 0.5).pvalue
+    assert a.q_value == pytest.approx(false_discovery_control([2 * p, 2 * p, 1.0], method="bh")[1])

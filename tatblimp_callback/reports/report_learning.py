@@ -37,16 +37,20 @@ def run_alerts(run: Run) -> tuple[list[RegressionAlert], bool]:
 def _alerts_section(sweeps: list[Run]) -> str:
     parts = [
         "<h2>Regression alerts</h2>",
-        '<div class="meta">A phenomenon or overall score significantly below its best earlier evaluation (exact McNemar '
-        "on the pairs, corrected for the choice of the best and Benjamini-Hochberg adjusted, q &lt; 0.05) by at least "
-        "5 points of acc_norm; once until it recovers.</div>",
+        '<div class="meta">A phenomenon or overall score significantly below an earlier evaluation (exact McNemar on '
+        "the pairs) by at least 5 points of acc_norm, once until it recovers. Replayed and default alerts hold a "
+        "false-alarm rate of 0.05 for the whole run (compared with the previous and the best earlier evaluation, each "
+        "evaluation spending its own share); alerts written in the per_evaluation mode: q &lt; 0.05 at each "
+        "evaluation (Benjamini-Hochberg). The reference is the best earlier evaluation unless marked "
+        "&ldquo;previous&rdquo;.</div>",
     ]
     for run in sweeps:
         alerts, recorded = run_alerts(run)
         source = "written by the callback" if recorded else "replayed by the report with the default thresholds"
         rows = [
             f'<tr class="alert" data-step="{a.step}" data-group="{escape(a.key)}"><td>{a.step}</td><td style="text-align: left">{escape(a.key)}</td>'
-            f"<td>{a.best_step}</td><td>{a.best_score:.4f}</td><td>{a.score:.4f}</td><td>{a.q_value:.2g}</td></tr>"
+            f"<td>{a.best_step}{' (previous)' if a.reference == 'previous' else ''}</td><td>{a.best_score:.4f}</td>"
+            f"<td>{a.score:.4f}</td><td>{a.q_value:.2g}</td></tr>"
             for a in alerts
         ]
         parts.append(
@@ -54,7 +58,7 @@ def _alerts_section(sweeps: list[Run]) -> str:
             f'<span class="meta">({source})</span></h3>'
         )
         if rows:
-            header = ["step", "what", "best step", "best acc_norm", "acc_norm", "q"]
+            header = ["step", "what", "reference step", "reference acc_norm", "acc_norm", "q"]
             parts.append(_table(header, rows, "alerts", f'data-run="{escape(run.label)}"'))
     return "".join(parts)
 

@@ -1,34 +1,48 @@
-"""Regressions during training: a phenomenon that scores significantly worse than at its best earlier evaluation.
+"""Regressions during training: a phenomenon that scores significantly worse than at an earlier evaluation.
 
 After each evaluation, every group (the overall score and each phenomenon, of TatBLiMP and of each suite) is
-compared with the earlier evaluation where it scored best, pair by pair: the exact McNemar test on the pairs
-only one of the two passes (acc_norm outcomes, see ``stats.py``), Benjamini-Hochberg adjusted over every group
-compared at that evaluation. A group raises an alert when its q-value is below ``alpha`` (0.05) and it fell by
-at least ``min_drop`` (5 points) on the pairs finite in both. It does not alert again until it recovers, that
-is until it is back within half of ``min_drop`` of that best score (so that a score hovering at the edge does
-not alert at every other evaluation); after that a new fall alerts again.
+compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.py``). Two modes:
+
+- ``"per_run"`` (the default): the chance that a run which never regresses raises any alert is at most
+  ``alpha``, over the whole run, whatever the number of evaluations and groups (``alert_budget.py``). Each group
+  is compared with the previous evaluation and with the best earlier one (exact one-sided McNemar tests, the
+  best's corrected for being chosen), and each evaluation spends its own share of ``alpha``, split over the groups
+  by Holm's method.
+- ``"per_evaluation"`` (the earlier behaviour): the best earlier evaluation only (exact two-sided McNemar, times
+  the number of earlier evaluations), Benjamini-Hochberg adjusted over the groups of the evaluation, q below
+  ``alpha`` at each evaluation: the chances of a false alarm add up over a run.
+
+Either way an alert also needs a fall of at least ``min_drop`` (5 points) on the pairs finite in both. A group does
+not alert again until it recovers, that is until it is back within half of ``min_drop`` of its best score on every
+pair finite there (an evaluation where some of those pairs are not finite neither recovers nor clears anything).
+A score measured on fewer than half as many finite pairs as the best does not become the best, and a best measured
+on fewer than half as many as a later evaluation gives way to it.
 
 ``RegressionMonitor`` does this one evaluation at a time (the callback); ``replay_alerts`` runs it over the
-records of a sweep or a history file (the report). The false-alarm rate of these defaults on runs that only
-fluctuate is measured by ``benchmarks/bench_alert_false_alarms.py`` (see the long-runs guide).
+records of a sweep or a history file (the report). ``benchmarks/bench_alert_false_alarms.py`` measures both
+modes (see the long-runs guide).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .stats import Outcomes, bh_adjust, outcome_share, paired_counts
+from . import alert_budget
+from .stats import Outcomes, PairedCounts, bh_adjust, outcome_share, paired_counts
 
 DEFAULT_ALERT_Q = 0.05
 DEFAULT_MIN_DROP = 0.05
+ALERT_MODES = ("per_run", "per_evaluation")
+DEFAULT_ALERT_MODE = "per_run"
 
 
 @dataclass(frozen=True)
 class RegressionAlert:
-    """One group's significant fall: ``score`` at ``step`` against ``best_score`` at ``best_step`` (acc_norm)."""
+    """One group's significant fall: ``score`` at ``step`` against ``best_score`` at ``best_step`` (acc_norm), the
+    reference evaluation (``reference``: "best", the best earlier one, or "previous", the one before)."""
 
     benchmark: str  # "tatblimp" (the log prefix) or a suite's name
     group: str  # "overall" or a phenomenon
@@ -37,8 +51,10 @@ class RegressionAlert:
     score: float
     best_score: float
     n: int  # pairs finite at both steps
-    p_value: float  # exact two-sided McNemar
-    q_value: float  # Benjamini-Hochberg over every group compared at this step
+    p_value: float  # exact McNemar: one-sided (per_run), two-sided (per_evaluation)
+    q_value: float  # per_run: run-wide (see alert_budget.run_q_values); per_evaluation: Benjamini-Hochberg
+    mode: str = "per_evaluation"  # records written before the per-run mode have neither field
+    reference: str = "best"
 
     @property
     def key(self) -> str:
@@ -51,10 +67,14 @@ class RegressionAlert:
 
     @property
     def text(self) -> str:
+        if self.mode == "per_run":
+            how = f"exact one-sided McNemar on {self.n} pairs, within the run's false-alarm budget"
+        else:
+            how = f"exact McNemar on {self.n} pairs, Benjamini-Hochberg adjusted"
+        which = " (the previous evaluation)" if self.reference == "previous" else ""
         return (
-            f"{self.benchmark} {self.group} acc_norm fell from {self.best_score:.4f} at step {self.best_step} to "
-            f"{self.score:.4f} at step {self.step} (q = {self.q_value:.2g}, exact McNemar on {self.n} pairs, "
-            "Benjamini-Hochberg adjusted)"
+            f"{self.benchmark} {self.group} acc_norm fell from {self.best_score:.4f} at step {self.best_step}{which} to "
+            f"{self.score:.4f} at step {self.step} (q = {self.q_value:.2g}, {how})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,83 +83,165 @@ class RegressionAlert:
     @classmethod
     def from_dict(cls, record: Mapping[str, Any]) -> RegressionAlert:
         """From ``to_dict`` (a history file's ``alerts``); ValueError naming what is missing."""
+        names = [f.name for f in fields(cls)]
         try:
-            return cls(**{name: record[name] for name in cls.__dataclass_fields__})
+            return cls(**{name: record[name] for name in names if name in record or name not in ("mode", "reference")})
         except (KeyError, TypeError) as err:
             raise ValueError(f"malformed alert record ({type(err).__name__}: {err})") from None
 
 
 @dataclass
-class _Best:
+class _Evaluation:
     score: float
     step: int
     outcomes: str  # the group's acc_norm outcomes at that step
+    finite: int  # pairs finite there
+
+
+@dataclass
+class _Comparison:
+    benchmark: str
+    group: str
+    current: _Evaluation
+    best: _Evaluation
+    against_best: PairedCounts
+    previous: _Evaluation | None
+    against_previous: PairedCounts | None
+    earlier: int  # earlier evaluations with a score, among which the best was chosen
+
+    @property
+    def key(self) -> str:
+        return f"{self.benchmark}/{self.group}"
+
+
+def _drop(counts: PairedCounts) -> float:
+    return (counts.baseline_only - counts.run_only) / counts.n
 
 
 class RegressionMonitor:
-    """Compares each evaluation with the best earlier one, group by group, and says which groups fell.
+    """Compares each evaluation with earlier ones, group by group, and says which groups fell.
 
     Args:
-        alpha: an alert needs a BH-adjusted p-value (q) below this.
-        min_drop: and a fall of at least this much acc_norm (0.05: 5 points) on the pairs finite in both.
+        alpha: per_run: the chance over the whole run of any alert where nothing regresses; per_evaluation: the
+            q-value (Benjamini-Hochberg) an alert needs at each evaluation.
+        min_drop: an alert also needs a fall of at least this much acc_norm (0.05: 5 points) on the pairs finite in
+            both evaluations.
         metric: the outcomes compared ("acc_norm" or "acc").
+        mode: "per_run" (default) or "per_evaluation" (see the module's docstring).
     """
 
-    def __init__(self, alpha: float = DEFAULT_ALERT_Q, min_drop: float = DEFAULT_MIN_DROP, metric: str = "acc_norm"):
+    def __init__(
+        self,
+        alpha: float = DEFAULT_ALERT_Q,
+        min_drop: float = DEFAULT_MIN_DROP,
+        metric: str = "acc_norm",
+        mode: str = DEFAULT_ALERT_MODE,
+    ):
         if not 0 < alpha < 1:
             raise ValueError(f"the alert q threshold must be between 0 and 1, got {alpha!r}")
         if not 0 <= min_drop < 1:
             raise ValueError(f"the minimum drop of an alert must be at least 0 and below 1, got {min_drop!r}")
-        self.alpha, self.min_drop, self.metric = alpha, min_drop, metric
-        self._best: dict[str, _Best] = {}
+        if mode not in ALERT_MODES:
+            raise ValueError(f"the alert mode must be one of {', '.join(map(repr, ALERT_MODES))}, got {mode!r}")
+        self.alpha, self.min_drop, self.metric, self.mode = alpha, min_drop, metric, mode
+        self.evaluations = 0  # evaluations observed in the run: the per-run budget's count goes on across benchmarks
+        self._best: dict[str, _Evaluation] = {}
+        self._previous: dict[str, _Evaluation] = {}
         self._fallen: set[str] = set()  # groups alerted and not recovered yet
-        self._seen: dict[str, int] = {}  # earlier evaluations of each group
+        self._seen: dict[str, int] = {}  # earlier evaluations of each group with a score
         self._pairs: dict[str, tuple[str, ...]] = {}  # the phenomenon of each pair, by benchmark
 
     def observe(self, step: int, outcomes: Mapping[str, Outcomes]) -> list[RegressionAlert]:
         """The alerts of the evaluation at ``step``; ``outcomes``: benchmark name -> its per-pair outcomes (a suite
-        not scored at this evaluation is simply absent). Then each group's best score is updated."""
-        compared = []  # (benchmark, group, best, counts, score)
-        current: dict[str, tuple[float, str]] = {}
+        not scored at this evaluation is simply absent; ``{}`` for an evaluation that cannot be read, which still
+        counts). Then each group's best and previous evaluations are updated."""
+        self.evaluations += 1
+        compared: list[_Comparison] = []
+        current: dict[str, _Evaluation] = {}
         for benchmark, result in outcomes.items():
             if self._pairs.get(benchmark) != result.phenomena:  # new, or other pairs: start afresh
                 self._pairs[benchmark] = result.phenomena
                 for key in [key for key in self._seen if key.startswith(f"{benchmark}/")]:
-                    self._best.pop(key, None), self._seen.pop(key), self._fallen.discard(key)
+                    self._best.pop(key, None), self._previous.pop(key, None), self._seen.pop(key)
+                    self._fallen.discard(key)
             text = getattr(result, self.metric)
             for group, indices in {"overall": None, **result.groups()}.items():
                 key = f"{benchmark}/{group}"
                 part = text if indices is None else "".join(text[i] for i in indices)
                 passed, finite = outcome_share(part)
-                score = passed / finite if finite else math.nan
-                current[key] = (score, part)
-                best = self._best.get(key)
-                if best is None:
+                now = current[key] = _Evaluation(passed / finite if finite else math.nan, step, part, finite)
+                best, previous = self._best.get(key), self._previous.get(key)
+                if best is None or not finite:
                     continue
-                compared.append((benchmark, group, best, paired_counts(best.outcomes, part), score))
+                against_best = paired_counts(best.outcomes, part)
+                against_previous = paired_counts(previous.outcomes, part) if previous is not None else None
+                if against_best.n:  # no pair finite in both: nothing to compare (neither a fall nor a recovery)
+                    compared.append(
+                        _Comparison(benchmark, group, now, best, against_best, previous, against_previous, self._seen[key])
+                    )
+        alerts = self._per_run(compared) if self.mode == "per_run" else self._per_evaluation(compared)
+        for key, now in current.items():
+            if math.isnan(now.score):
+                continue
+            self._seen[key] = self._seen.get(key, 0) + 1
+            self._previous[key] = now
+            best = self._best.get(key)
+            # A score on fewer than half the best's finite pairs does not become the best (a few pairs can score
+            # high by chance and hide later falls); a best on fewer than half of a later evaluation's gives way.
+            if best is None or (now.score > best.score and 2 * now.finite >= best.finite) or 2 * best.finite < now.finite:
+                self._best[key] = now
+        return alerts
+
+    def _recovered_or_fallen(self, comparison: _Comparison) -> bool:
+        """True for a group alerted before and not recovered at this evaluation (then it does not alert again)."""
+        if comparison.key not in self._fallen:
+            return False
+        counts = comparison.against_best
+        if counts.n == comparison.best.finite and _drop(counts) < self.min_drop / 2:  # every pair of the best: back
+            self._fallen.discard(comparison.key)
+        return True
+
+    def _per_run(self, compared: list[_Comparison]) -> list[RegressionAlert]:
+        p_values, chosen = [], []
+        for c in compared:
+            p_best = alert_budget.fall_p_value(c.against_best.baseline_only, c.against_best.run_only)
+            p_best = p_best if _drop(c.against_best) >= self.min_drop else 1.0
+            p_previous = 1.0
+            counts = c.against_previous
+            if counts is not None and counts.n and _drop(counts) >= self.min_drop:
+                p_previous = alert_budget.fall_p_value(counts.baseline_only, counts.run_only)
+            p_values.append(alert_budget.group_p_value(p_previous, p_best, c.earlier))
+            by_previous = p_previous / alert_budget.PREVIOUS_SHARE < p_best * c.earlier / (1 - alert_budget.PREVIOUS_SHARE)
+            chosen.append(
+                ("previous", c.previous, counts, p_previous) if by_previous else ("best", c.best, c.against_best, p_best)
+            )
+        q_values = alert_budget.run_q_values(p_values, self.evaluations - 1) if compared else []
+        alerts = []
+        for c, (reference, earlier, counts, p_value), q_value in zip(compared, chosen, q_values):
+            if self._recovered_or_fallen(c) or not q_value <= self.alpha:
+                continue
+            self._fallen.add(c.key)
+            alerts.append(self._alert(c, earlier, counts, p_value, float(q_value), reference))
+        return alerts
+
+    def _per_evaluation(self, compared: list[_Comparison]) -> list[RegressionAlert]:
         # The best of k earlier evaluations is the one that differs most: its p-value times k (Bonferroni) is a
         # valid p-value of "below some earlier evaluation"; then BH over the groups.
-        selected = [min(1.0, counts.p_value * self._seen[f"{b}/{g}"]) for b, g, _, counts, _ in compared]
-        q_values = bh_adjust(selected)
+        q_values = bh_adjust([min(1.0, c.against_best.p_value * c.earlier) for c in compared])
         alerts = []
-        for (benchmark, group, best, counts, score), q_value in zip(compared, q_values):
-            key = f"{benchmark}/{group}"
-            drop = (counts.baseline_only - counts.run_only) / counts.n if counts.n else 0.0
-            if key in self._fallen:
-                if drop < self.min_drop / 2:
-                    self._fallen.discard(key)
+        for c, q_value in zip(compared, q_values):
+            if self._recovered_or_fallen(c):
                 continue
-            if q_value < self.alpha and drop >= self.min_drop:
-                self._fallen.add(key)
-                alerts.append(
-                    RegressionAlert(benchmark, group, step, best.step, score, best.score, counts.n, counts.p_value, q_value)
-                )
-        for key, (score, part) in current.items():
-            self._seen[key] = self._seen.get(key, 0) + 1
-            best = self._best.get(key)
-            if not math.isnan(score) and (best is None or score > best.score):
-                self._best[key] = _Best(score, step, part)
+            if q_value < self.alpha and _drop(c.against_best) >= self.min_drop:
+                self._fallen.add(c.key)
+                alerts.append(self._alert(c, c.best, c.against_best, c.against_best.p_value, q_value, "best"))
         return alerts
+
+    def _alert(self, c: _Comparison, earlier: _Evaluation, counts: PairedCounts, p_value, q_value, reference) -> RegressionAlert:
+        return RegressionAlert(
+            c.benchmark, c.group, c.current.step, earlier.step, c.current.score, earlier.score, counts.n,
+            float(p_value), float(q_value), self.mode, reference,
+        )  # fmt: skip
 
 
 def record_outcomes(record: Mapping[str, Any], prefix: str = "tatblimp") -> dict[str, Outcomes]:
@@ -151,13 +253,24 @@ def record_outcomes(record: Mapping[str, Any], prefix: str = "tatblimp") -> dict
     return found
 
 
-def replay_alerts(
-    records: Sequence[Mapping[str, Any]], alpha: float = DEFAULT_ALERT_Q, min_drop: float = DEFAULT_MIN_DROP
-) -> list[RegressionAlert]:
-    """The alerts a monitor raises over ``records`` (a sweep's or a history file's, in step order)."""
-    monitor = RegressionMonitor(alpha, min_drop)
-    alerts = []
+def one_record_a_step(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``records`` in step order, a step written twice (a sweep's checkpoint scored again) kept once: the last."""
+    by_step: dict[int, Mapping[str, Any]] = {}
     for record in sorted(records, key=lambda r: r["step"]):
+        by_step[record["step"]] = record
+    return list(by_step.values())
+
+
+def replay_alerts(
+    records: Sequence[Mapping[str, Any]],
+    alpha: float = DEFAULT_ALERT_Q,
+    min_drop: float = DEFAULT_MIN_DROP,
+    mode: str = DEFAULT_ALERT_MODE,
+) -> list[RegressionAlert]:
+    """The alerts a monitor raises over ``records`` (a sweep's or a history file's), one evaluation a step."""
+    monitor = RegressionMonitor(alpha, min_drop, mode=mode)
+    alerts = []
+    for record in one_record_a_step(records):
         alerts += monitor.observe(record["step"], record_outcomes(record))
     return alerts
 

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..engine import distributed
 from ..reading.jsonl import read_complete_lines
 from ..results.learning import LearningSummary, learning_summary
 from ..results.metrics import Results
-from ..results.regressions import RegressionAlert, RegressionMonitor
+from ..results.regressions import DEFAULT_ALERT_MODE, RegressionAlert, RegressionMonitor
 from ..results.stats import Outcomes
 from .reporting import learning_line, print_line, wandb_run
 
@@ -30,12 +31,23 @@ logger = logging.getLogger(__name__)
 class RegressionAlerts:
     """Regression alerts of one training run (``enabled``: ``alert_on_regression``), keys under ``prefix``."""
 
-    def __init__(self, enabled: bool, alpha: float, min_drop: float, prefix: str, restored: Sequence[dict[str, Any]] = ()):
+    def __init__(
+        self,
+        enabled: bool,
+        alpha: float,
+        min_drop: float,
+        prefix: str,
+        restored: Sequence[dict[str, Any]] = (),
+        mode: str = DEFAULT_ALERT_MODE,
+    ):
         self.enabled, self.prefix = enabled, prefix
-        self.monitor = RegressionMonitor(alpha, min_drop)
+        self.monitor = RegressionMonitor(alpha, min_drop, mode=mode)
         self.alerts: list[RegressionAlert] = []
-        # A resumed run's count goes on from its restored log history (the comparisons start again there).
+        # A resumed run's count goes on from its restored log history, and so does the per-run budget's sequence of
+        # evaluations (on every process, with or without a history file to compare with).
         self.count = int(max((entry.get(f"{prefix}/alerts", 0) for entry in restored), default=0))
+        self._restored_evaluations = sum(f"{prefix}/acc" in entry for entry in restored)
+        self.monitor.evaluations = self._restored_evaluations
         self.evaluations: list[tuple[int, Outcomes]] = []  # TatBLiMP's outcomes at each step, for the summary
         self._by_step: dict[int, list[RegressionAlert]] = {}
 
@@ -61,19 +73,44 @@ class RegressionAlerts:
                 self._to_wandb(alert)
         return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}  # as failures: once there are any
 
+    def agreed_count(self, main_process: bool = True) -> dict[str, float]:
+        """``<prefix>/alerts``, the run's count, the same on every process (a collective under torch.distributed,
+        called by all after ``observe``): the main process's, since only it compared a resumed run's evaluations
+        with those of its history file. From the first alert on (as ``<prefix>/failures``)."""
+        if self.enabled:
+            self.count = distributed.check_in(value=self.count if main_process else 0)[1]
+        return {f"{self.prefix}/alerts": float(self.count)} if self.count else {}
+
     def restore(self, path: os.PathLike | str) -> None:
         """A resumed run: the evaluations kept in its history file (those up to the checkpoint) go through the monitor
         again, silently, so that the next evaluation is compared with the run's best, not only with the evaluations
-        after the resume. TatBLiMP only: a suite's comparisons start again at the resume."""
+        after the resume. TatBLiMP only: a suite's comparisons start again at the resume. A record that cannot be
+        read is left out (and said, with its line), but still counted in the per-run budget's sequence."""
         try:
-            records = [json.loads(line) for line in read_complete_lines(Path(path)) if line.strip()]
-            for record in sorted(records, key=lambda r: r["step"]):
-                outcomes = Outcomes.from_record(record)
-                self.evaluations.append((record["step"], outcomes))
-                if self.enabled:
-                    self.monitor.observe(record["step"], {self.prefix: outcomes})
-        except (OSError, ValueError, KeyError) as error:
+            lines = [line for line in read_complete_lines(Path(path)) if line.strip()]
+        except OSError as error:
             logger.warning("tatblimp: the regression check starts afresh: cannot read %s (%s)", path, error)
+            return
+        records, unreadable = [], []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                records.append((record["step"], Outcomes.from_record(record)))
+            except (ValueError, KeyError, TypeError) as error:
+                unreadable.append(f"record {number}: {type(error).__name__}: {error}")
+                records.append((None, None))
+        if unreadable:
+            logger.warning(
+                "tatblimp: the regression check leaves out %d record(s) of %s it cannot read (%s); it compares with the "
+                "others", len(unreadable), path, "; ".join(unreadable[:3]),
+            )  # fmt: skip
+        self.monitor.evaluations = 0
+        for step, outcomes in records:
+            if outcomes is not None:
+                self.evaluations.append((step, outcomes))
+            if self.enabled:
+                self.monitor.observe(step, {self.prefix: outcomes} if outcomes is not None else {})
+        self.monitor.evaluations = max(self.monitor.evaluations, self._restored_evaluations)
 
     def fields(self, step: int) -> dict[str, Any]:
         """What the history-file record of ``step`` gets: ``{"alerts": [...]}`` while alerts are on."""

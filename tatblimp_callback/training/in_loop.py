@@ -43,7 +43,8 @@ class InLoopMonitor:
     ``settings`` is the callback: an object with the scoring options as attributes (``data``, ``protocol``,
     ``suites``, ``suite_every``, ``prefix_token_id``, ``allow_modified``, ``memory_budget``, ``truncate``,
     ``cache_path``, ``forced_choice_prompt``, ``log_prefix``, ``raise_on_error``, ``history_file``,
-    ``acquisition_threshold``, ``alert_on_regression``, ``alert_q``, ``alert_min_drop``), read when they are used.
+    ``acquisition_threshold``, ``alert_on_regression``, ``alert_q``, ``alert_min_drop``, ``alert_mode``), read when
+    they are used.
     """
 
     def __init__(self, settings: Any):
@@ -78,7 +79,7 @@ class InLoopMonitor:
         self.acquisition: dict[str, int | None] = {}
         self.learning: LearningSummary | None = None
         s = self.settings
-        self.alerts = RegressionAlerts(s.alert_on_regression, s.alert_q, s.alert_min_drop, s.log_prefix, ours)
+        self.alerts = RegressionAlerts(s.alert_on_regression, s.alert_q, s.alert_min_drop, s.log_prefix, ours, s.alert_mode)
         self.history_file: reporting.HistoryFile | None = None
         self.suite_history_files: dict[str, reporting.HistoryFile] = {}
 
@@ -188,8 +189,12 @@ class InLoopMonitor:
         if distributed.all_agree(known is not None):  # these very weights were scored in this run: their numbers
             self._last_metrics = known
             if new_step:  # unchanged since an earlier step (an optimizer step skipped): a point here too
-                self._record(step, known, self.last_results if self._last_results_weights == weights else None, publish, main)
-            return known
+                results = self.last_results if self._last_results_weights == weights else None
+                if results is not None:  # a line of the history file too: the alerts see it, as a replay of the file does
+                    self.alerts.observe(step, results, main)
+                    self._last_metrics = {**known, **self.alerts.agreed_count(main)}
+                self._record(step, self._last_metrics, results, publish, main)
+            return self._last_metrics
         with rng_preserved():
             evaluator = self.evaluator
             if self.settings.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
@@ -199,7 +204,8 @@ class InLoopMonitor:
             fc_results = self.guarded(self.fc_evaluator, model) if self.fc_evaluator is not None else None
         metrics = self._metrics(step, results, fc_results, weights)
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
-            metrics.update(self.alerts.observe(step, results, main))
+            self.alerts.observe(step, results, main)
+            metrics.update(self.alerts.agreed_count(main))
         elif self.alerts.count:  # a count of the run, as failures: at every point once there are any (never NaN)
             metrics[f"{self.settings.log_prefix}/alerts"] = float(self.alerts.count)
         self._last_metrics = metrics

@@ -132,10 +132,13 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     """Regression alerts after each evaluation, as ``TatBLiMPCallback.alert_on_regression``."""
 
     alert_q: float = 0.05
-    """The q-value an alert needs, as ``TatBLiMPCallback.alert_q``."""
+    """The false-alarm rate of the alerts, as ``TatBLiMPCallback.alert_q``."""
 
     alert_min_drop: float = 0.05
     """The fall in acc_norm an alert needs, as ``TatBLiMPCallback.alert_min_drop``."""
+
+    alert_mode: str = "per_run"
+    """``"per_run"`` or ``"per_evaluation"``, as ``TatBLiMPCallback.alert_mode``."""
 
     def __post_init__(self):
         every = self.eval_every_n_steps

@@ -1,0 +1,82 @@
+"""A run's false-alarm budget for regression alerts: how much of ``alert_q`` each evaluation may spend.
+
+The per-run mode of ``regressions.RegressionMonitor`` (the default) holds the chance that a run which never
+regresses raises any alert at or below ``alert_q``, whatever the number of evaluations, by a union bound:
+
+- the j-th comparison of the run (its (j+1)-th evaluation) may spend ``alert_q * look_share(j)``, and the shares
+  sum to at most 1 over any number of evaluations (``look_share``), so the number of evaluations need not be
+  known in advance;
+- within an evaluation that share is split over the groups compared (overall and each phenomenon, of TatBLiMP
+  and of each suite) by Holm's step-down (``holm_adjust``), valid whatever the dependence between the groups;
+- within a group, half of its share goes to the comparison with the previous evaluation and half to the one with
+  the best earlier evaluation, whose p-value is multiplied by the number of earlier evaluations it was chosen
+  from (Bonferroni), which accounts for choosing the best (``group_p_value``).
+
+Each comparison is an exact one-sided McNemar test on the pairs only one of the two evaluations passes
+(``fall_p_value``). Everything here takes numpy arrays as well as numbers, so that the false-alarm benchmark
+(``benchmarks/bench_alert_false_alarms.py``) runs the same arithmetic over thousands of simulated runs at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# look_share(j) = 1 / (SPENDING_NORMALISER * (j + SPENDING_OFFSET) * ln(j + SPENDING_OFFSET)^2). The normaliser is
+# the sum of the first million terms plus 1 / ln(10^6 + offset), which bounds the rest from above (the integral
+# of 1 / (x ln^2 x) from there on), so the shares sum to at most 1 (tested). The offset of 10 moves budget from the
+# first few evaluations (while a model learns fast, falls are rare) to the tens and hundreds.
+SPENDING_OFFSET = 10
+SPENDING_NORMALISER = 0.42515696619253746
+PREVIOUS_SHARE = 0.5  # of a group's share: the comparison with the previous evaluation; the rest, with the best
+
+
+def look_share(j):
+    """The share of the run's budget the j-th comparison may spend (j = 1 at the second evaluation)."""
+    x = np.asarray(j, dtype=float) + SPENDING_OFFSET
+    share = 1.0 / (SPENDING_NORMALISER * x * np.log(x) ** 2)
+    return float(share) if np.ndim(share) == 0 else share
+
+
+def fall_p_value(baseline_only, run_only):
+    """Exact one-sided McNemar p-value of a fall: P(Binomial(b + c, 1/2) >= b), b the pairs only the reference
+    passes, c those only the later evaluation passes; 1 where there is no discordant pair."""
+    from scipy.stats import binom
+
+    b, c = np.asarray(baseline_only), np.asarray(run_only)
+    p = np.where(b + c > 0, binom.sf(b - 1, b + c, 0.5), 1.0)
+    return float(p) if np.ndim(p) == 0 else p
+
+
+def group_p_value(p_previous, p_best, earlier):
+    """One group's p-value against both references: ``p_previous`` (the previous evaluation) and ``p_best`` (the
+    best of ``earlier`` earlier evaluations), each given its part of the group's share; pass 1.0 for a reference
+    that is not tested (none, or a drop under the minimum)."""
+    earlier = np.maximum(np.asarray(earlier), 1)
+    p = np.minimum(np.asarray(p_previous) / PREVIOUS_SHARE, np.asarray(p_best) * earlier / (1 - PREVIOUS_SHARE))
+    p = np.minimum(p, 1.0)
+    return float(p) if np.ndim(p) == 0 else p
+
+
+def holm_adjust(p_values):
+    """Holm step-down adjusted p-values along the last axis (rows: runs of the benchmark); an alert needs its
+    adjusted p-value at or below the evaluation's level."""
+    p = np.asarray(p_values, dtype=float)
+    if p.shape[-1] == 0:
+        return p
+    m = p.shape[-1]
+    order = np.argsort(p, axis=-1, kind="stable")
+    ranked = np.take_along_axis(p, order, axis=-1) * (m - np.arange(m))
+    ranked = np.minimum(np.maximum.accumulate(ranked, axis=-1), 1.0)
+    adjusted = np.empty_like(ranked)
+    np.put_along_axis(adjusted, order, ranked, axis=-1)
+    return adjusted
+
+
+def run_q_values(group_p_values, j):
+    """The run-wide q-value of each group at the j-th comparison: its Holm-adjusted p-value divided by
+    ``look_share(j)``; an alert needs it at or below ``alert_q``."""
+    share = look_share(j)
+    share = share if np.ndim(share) == 0 else np.asarray(share)[..., None]
+    return np.minimum(holm_adjust(group_p_values) / share, math.inf)

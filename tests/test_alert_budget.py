@@ -1,0 +1,92 @@
+"""The per-run false-alarm budget (results/alert_budget.py), and the false-alarm benchmark's simulation checked
+against RegressionMonitor on the same outcomes."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest
+
+from tatblimp_callback.results import alert_budget
+from tatblimp_callback.results.regressions import RegressionMonitor
+from tatblimp_callback.results.stats import Outcomes, encode_outcomes
+
+
+def _bench():
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_alert_false_alarms.py"
+    spec = importlib.util.spec_from_file_location("bench_alert_false_alarms", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shares_of_the_evaluations_sum_to_at_most_one_over_any_number_of_them():
+    j = np.arange(1, 2_000_001, dtype=float)
+    partial = float(np.sum(1 / ((j + 10) * np.log(j + 10) ** 2)))  # computed here, not with the module
+    tail = 1 / math.log(2_000_000 + 10)  # the integral of 1 / (x ln^2 x) from the last term on bounds the rest
+    assert (partial + tail) / alert_budget.SPENDING_NORMALISER <= 1.0
+    assert (partial + tail) / alert_budget.SPENDING_NORMALISER > 0.9999  # and not far below: little is wasted
+    assert float(np.sum(alert_budget.look_share(j))) <= 1.0
+    # what a run may spend at its 20th, 100th and 500th comparison
+    assert [round(alert_budget.look_share(k), 6) for k in (20, 100, 500)] == [
+        round(1 / (0.42515696619253746 * (k + 10) * math.log(k + 10) ** 2), 6) for k in (20, 100, 500)
+    ]
+
+
+def test_the_fall_p_value_is_the_one_sided_exact_binomial_and_holm_is_holm():
+    for b, c in ((18, 0), (20, 5), (3, 3), (0, 7)):
+        assert alert_budget.fall_p_value(b, c) == pytest.approx(binomtest(b, b + c, 0.5, alternative="greater").pvalue)
+    assert alert_budget.fall_p_value(0, 0) == 1.0
+    # Holm by hand: sorted 0.01, 0.02, 0.04 -> 0.03, 0.04, 0.04 (monotone), in the order given
+    assert list(alert_budget.holm_adjust([0.04, 0.01, 0.02])) == pytest.approx([0.04, 0.03, 0.04])
+    rows = alert_budget.holm_adjust(np.array([[0.04, 0.01, 0.02], [0.5, 0.9, 0.001]]))
+    assert rows[1].tolist() == pytest.approx([1.0, 1.0, 0.003])
+    # the group's p-value: the better of previous (x2) and best (x earlier x2)
+    assert alert_budget.group_p_value(0.01, 0.001, 30) == pytest.approx(0.02)
+    assert alert_budget.group_p_value(1.0, 0.001, 3) == pytest.approx(0.006)
+
+
+def test_the_benchmark_simulation_raises_the_monitors_alerts_alert_for_alert():
+    """The benchmark's array version of both modes, fed the outcomes a RegressionMonitor of each mode is fed,
+    raises the same alerts at the same evaluations (falls included, so that there are some to compare)."""
+    bench = _bench()
+    phenomena = tuple(f"p{i // 40}" for i in range(200))  # five phenomena of 40 pairs
+    groups, index, names = bench.membership(phenomena)
+    rng = np.random.default_rng(3)
+    runs, evaluations = 6, 40
+    base = rng.beta(7, 3, (runs, 200))
+    monitors = bench.Monitors(groups, runs)
+    reference = {mode: [RegressionMonitor(mode=mode) for _ in range(runs)] for mode in bench.MODES}
+    seen = {mode: [] for mode in bench.MODES}
+    expected = {mode: [] for mode in bench.MODES}
+    passed = rng.random((runs, 200)) < base
+    for e in range(evaluations):
+        falls = e % 4 == 3  # a phenomenon falls now and then (all its pairs drawn again), and recovers
+        p = np.where((index == e % 5) & falls, 0.1 * base, base)
+        again = rng.random((runs, 200)) < (1.0 if falls else 0.5)
+        passed = np.where(again, rng.random((runs, 200)) < p, passed)
+        found = monitors.observe(passed)
+        for mode in bench.MODES:
+            seen[mode] += [(e, r, names[g]) for r, g in zip(*np.nonzero(found[mode]))]
+            for r in range(runs):
+                text = encode_outcomes(bool(v) for v in passed[r])
+                alerts = reference[mode][r].observe(e, {"t": Outcomes(text, text, phenomena)})
+                expected[mode] += [(e, r, alert.group) for alert in alerts]
+    for mode in bench.MODES:
+        assert sorted(seen[mode]) == sorted(expected[mode])
+        assert len(expected[mode]) >= 10  # there was something to agree on
+    assert len(expected["per_run"]) < len(expected["per_evaluation"])
+
+
+def test_runs_that_never_regress_rarely_alert_per_run_and_often_per_evaluation():
+    """200 simulated runs of 60 evaluations on TatBLiMP's shape, every pair redrawn at each evaluation (the
+    benchmark's harshest null): at most alert_q of them alert per run (4 here); the per-evaluation rule almost half (92)."""
+    bench = _bench()
+    groups, index, _ = bench.membership(tuple(f"p{i // 78}" for i in range(1248)))
+    figures = bench.false_alarms(groups, index, 200, 60, "redraw_all", seed=0, chunk=200)
+    assert figures["per_run"]["runs_with_an_alert"]["count"] <= 10  # 5% of 200
+    assert figures["per_evaluation"]["runs_with_an_alert"]["count"] >= 40
