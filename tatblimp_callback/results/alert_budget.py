@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 # look_share(j) = 1 / (SPENDING_NORMALISER * (j + SPENDING_OFFSET) * ln(j + SPENDING_OFFSET)^2). The normaliser is
 # the sum of the first million terms plus 1 / ln(10^6 + offset), which bounds the rest from above (the integral
 # of 1 / (x ln^2 x) from there on), so the shares sum to at most 1 (tested). The offset of 10 moves budget from the
@@ -34,6 +32,8 @@ PREVIOUS_SHARE = 0.5  # of a group's share: the comparison with the previous eva
 
 def look_share(j):
     """The share of the run's budget the j-th comparison may spend (j = 1 at the second evaluation)."""
+    import numpy as np  # in each function, not at the top: `tatblimp --help` loads no numpy
+
     x = np.asarray(j, dtype=float) + SPENDING_OFFSET
     share = 1.0 / (SPENDING_NORMALISER * x * np.log(x) ** 2)
     return float(share) if np.ndim(share) == 0 else share
@@ -42,6 +42,7 @@ def look_share(j):
 def fall_p_value(baseline_only, run_only):
     """Exact one-sided McNemar p-value of a fall: P(Binomial(b + c, 1/2) >= b), b the pairs only the reference
     passes, c those only the later evaluation passes; 1 where there is no discordant pair."""
+    import numpy as np
     from scipy.stats import binom
 
     b, c = np.asarray(baseline_only), np.asarray(run_only)
@@ -53,6 +54,8 @@ def group_p_value(p_previous, p_best, earlier):
     """One group's p-value against both references: ``p_previous`` (the previous evaluation) and ``p_best`` (the
     best of ``earlier`` earlier evaluations), each given its part of the group's share; pass 1.0 for a reference
     that is not tested (none, or a drop under the minimum)."""
+    import numpy as np
+
     earlier = np.maximum(np.asarray(earlier), 1)
     p = np.minimum(np.asarray(p_previous) / PREVIOUS_SHARE, np.asarray(p_best) * earlier / (1 - PREVIOUS_SHARE))
     p = np.minimum(p, 1.0)
@@ -62,6 +65,8 @@ def group_p_value(p_previous, p_best, earlier):
 def holm_adjust(p_values):
     """Holm step-down adjusted p-values along the last axis (rows: runs of the benchmark); an alert needs its
     adjusted p-value at or below the evaluation's level."""
+    import numpy as np
+
     p = np.asarray(p_values, dtype=float)
     if p.shape[-1] == 0:
         return p
@@ -77,6 +82,8 @@ def holm_adjust(p_values):
 def run_q_values(group_p_values, j):
     """The run-wide q-value of each group at the j-th comparison: its Holm-adjusted p-value divided by
     ``look_share(j)``; an alert needs it at or below ``alert_q``."""
+    import numpy as np
+
     share = look_share(j)
     share = share if np.ndim(share) == 0 else np.asarray(share)[..., None]
     return np.minimum(holm_adjust(group_p_values) / share, math.inf)
