@@ -252,7 +252,9 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     computed where the tensor is (copying a model's weights to the host would cost more than scoring it)."""
     words = _words(tensor)
     if words.device.type == "cpu":
-        return hashlib.sha256(words.numpy()).digest()
+        # Of a copy: a numpy view of the tensor's own storage would leave it unresizable (FSDP2 frees a gathered
+        # parameter by resizing its storage to 0).
+        return hashlib.sha256(words.clone().numpy()).digest()
     return device_digest(words).numpy().tobytes()
 
 
