@@ -171,7 +171,11 @@ if __name__ == "__main__":  # vLLM's engine process imports this file again
         evaluate(llm, data=data, allow_modified=True)
     except ValueError as err:
         report["no_tokenizer"] = str(err)
-    json.dump(report, open(out, "w"))
+    with open(out, "w") as file:
+        json.dump(report, file)
+    # Shut the engine down before the interpreter exits: left to exit-time teardown, the engine process can die
+    # first and the client's threads abort the worker (SIGABRT, "terminate called without an active exception").
+    llm.llm_engine.engine_core.shutdown()
 """
 
 
@@ -285,7 +289,9 @@ if __name__ == "__main__":  # vLLM's engine process imports this file again
     except Exception as err:
         report["llm"] = f"{type(err).__name__}: {err}"
     report["truncated"] = evaluate(llm, tokenizer, data, allow_modified=True, truncate=True).to_dict()
-    json.dump(report, open(out, "w"))
+    with open(out, "w") as file:
+        json.dump(report, file)
+    llm.llm_engine.engine_core.shutdown()  # before exit-time teardown, as in WORKER
 """
 
 
