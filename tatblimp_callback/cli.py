@@ -37,7 +37,7 @@ from .commands.outputs import check_output_file, say, silence_stdout, write_text
 from .commands.sweep import add_sweep_parser
 from .commands.tokenizers import add_tokenizers_parser
 from .reading.suites import add_suite_arguments, suites_from_args
-from .reports.report import add_report_parser
+from .reports.report_command import add_report_parser
 
 VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
 

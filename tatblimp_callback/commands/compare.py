@@ -25,6 +25,7 @@ from ..results.comparison import Comparison, compare_runs, comparison_rows, pair
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
 from ..results.edit_outcomes import format_runs_by_edit, runs_by_edit
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
+from ..results.positions import axis_of
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
 from ..results.stats import ALPHA, METRICS
 from .checkpoints import step_of
@@ -197,7 +198,12 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
     lines = ["## TatBLiMP comparison", "", "Phenomena rows are acc_norm.", "", *table(["metric", *labels], metrics)]
     if acquisition:
         what = "its 95% lower bound" if comparison.use_lower_bound else "acc_norm"
-        lines += ["", f"### Acquisition step (first step with {what} >= {comparison.threshold} through the last evaluation)", ""]
+        axis = axis_of(r for run in comparison.runs if run.is_sweep for r in run.records)
+        lines += [
+            "",
+            f"### Acquisition {axis} (first {axis} with {what} >= {comparison.threshold} through the last evaluation)",
+            "",
+        ]
         lines += table(["phenomenon", *labels], acquisition)
     header, fitted = learning_rows(comparison)
     if fitted:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from ..results.positions import axis_of
+
 
 def _fmt_p(p: float) -> str:
     return f"{p:.1e}" if p < 0.01 else f"{p:.3f}"
@@ -17,18 +19,19 @@ def learning_rows(comparison) -> tuple[list[str], list[list[str]]]:
     learning = {label: summary for label, summary in comparison.learning().items() if summary is not None}
     if not learning:
         return [], []
+    axes = {run.label: axis_of(run.records) for run in comparison.runs}  # a revision series: tokens or words
     header = ["phenomenon"]
     for label in learning:
-        header += [f"{label}: fitted step [95%]", f"{label}: trend"]
+        header += [f"{label}: fitted {axes[label]} [95%]", f"{label}: trend"]
     names: dict[str, None] = {}
     for summary in learning.values():
         names.update(dict.fromkeys(summary.fits))
     rows = []
     for name in names:
         row = [name]
-        for summary in learning.values():
+        for label, summary in learning.items():
             fit, trend = summary.fits.get(name), summary.trends.get(name)
-            row += [fit.describe() if fit is not None else "-", trend.direction if trend is not None else "-"]
+            row += [fit.describe(axes[label]) if fit is not None else "-", trend.direction if trend is not None else "-"]
         rows.append(row)
     return header, rows
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
+from ..results.positions import readable
 from ..results.runs import without_replaced
 from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
@@ -227,7 +228,7 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
                         if wandb_logger:
                             wandb_logger.log(value)
                         bar.write(
-                            f"{source.axis} {value['step']:>8}  acc {value['acc']:.4f}  acc_norm {value['acc_norm']:.4f}  "
+                            f"{source.axis} {readable(value['step'], source.axis):>8}  acc {value['acc']:.4f}  acc_norm {value['acc_norm']:.4f}  "
                             f"({checkpoint.name})"
                         )
                     elif kind == "failed":
@@ -236,7 +237,9 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
                         )
                         done.add(checkpoint.name)  # not again in this run; the next run tries it again
                         report.failed[checkpoint.name] = value["error"]
-                        bar.write(f"{source.axis} {checkpoint.step:>8}  FAILED: {value['error']}  ({checkpoint.name})")
+                        bar.write(
+                            f"{source.axis} {readable(checkpoint.step, source.axis):>8}  FAILED: {value['error']}  ({checkpoint.name})"
+                        )
                     else:
                         report.vanished.append(checkpoint.name)
                         logger.warning("tatblimp: %s was deleted before it could be scored", checkpoint.name)
@@ -329,7 +332,7 @@ def run_sweep(args: argparse.Namespace) -> None:
         axis = report.records[-1].get("x", "step") if report.records else "step"
         say(f"acquisition {axis} ({what} >= {options.threshold} through the last {kind[:-3]}):")
         for name, step in report.acquisition.items():
-            say(f"  {name:<{width}}  {step if step is not None else 'never'}")
+            say(f"  {name:<{width}}  {readable(step, axis) if step is not None else 'never'}")
     if report.failed:
         for error in report.failed.values():
             print(f"  failed: {error}", file=sys.stderr)

@@ -6,12 +6,13 @@ outlined), the acquisition steps, the paired tests with the lost and learned pai
 sentences) between the first and last evaluations of each run (or ``--steps A B``), the pairs failed
 at every step and the unstable ones; with ``--model``, each of those pairs token by token with its
 surprisal at the edit. Several runs are shown side by side and tested pair by pair against the
-baseline (the first). Charts are inline SVG drawn here; the page loads nothing from anywhere.
+baseline (the first). Charts are inline SVG drawn here; the page loads nothing from anywhere. A revision
+series placed by tokens or words (``sweep --x tokens``) is shown on that axis, with its revisions' names.
+The command itself (its options, ``--model``) is ``report_command.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -24,8 +25,8 @@ from ..reading.identity import record_fingerprint
 from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.flips import Flips, flips, pair_sentences, sweep_flips
-from ..results.runs import CompareError, Run, load_runs, read_outcomes, shared_suites, suite_run
-from ..results.scored_pairs import scored_benchmark
+from ..results.positions import axis_of, point, readable
+from ..results.runs import CompareError, Run, read_outcomes, shared_suites, suite_run
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
 from .report_learning import learning_sections
@@ -72,7 +73,13 @@ def _series(run: Run, key: str, color: str) -> Series:
         [(e["step"], e[key]) for e in history if key in e],
         [(e["step"], e[f"{key}_ci_low"], e[f"{key}_ci_high"]) for e in history if f"{key}_ci_low" in e],
         color,
+        {r["step"]: r["revision"] for r in run.records_up_to_step if r.get("revision")},
     )
+
+
+def _axis(runs: Sequence[Run]) -> str:
+    """What the sweeps among ``runs`` place their evaluations by: step, or a revision series' tokens or words."""
+    return axis_of(r for run in runs if run.is_sweep for r in run.records_up_to_step)
 
 
 def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, details) -> str:
@@ -131,12 +138,15 @@ def _tests_table(tests, metric: str, before: str, after: str) -> str:
 
 
 def check_steps(runs: Sequence[Run], steps: tuple[int, int] | None) -> None:
-    """``ValueError`` naming the run and its steps when a sweep among ``runs`` lacks one of ``steps`` (``--steps``)."""
+    """``ValueError`` naming the run and its steps (tokens, words) when a sweep among ``runs`` lacks one of ``steps``
+    (``--steps``)."""
     for run in runs:
         available = [r["step"] for r in run.records_up_to_step] if run.is_sweep else []
         for step in steps or () if run.is_sweep else ():
             if step not in available:
-                raise ValueError(f"{run.path}: no step {step} (steps: {', '.join(map(str, available))})")
+                axis = _axis([run])
+                shown = ", ".join(point(r).removeprefix(f"{axis} ") for r in run.records_up_to_step)
+                raise ValueError(f"{run.path}: no {axis} {readable(step, axis)} ({'steps' if axis == 'step' else axis}: {shown})")
 
 
 def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) -> str:
@@ -145,20 +155,22 @@ def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) 
     available = [r["step"] for r in run.records_up_to_step]
     first, last = steps or (available[0], available[-1])
     at = {r["step"]: r for r in run.records_up_to_step}  # the last record of a step scored twice
-    before, after = (read_outcomes(at[s], f"{run.path} at step {s}") for s in (first, last))
+    before, after = (read_outcomes(at[s], f"{run.path} at {point(at[s])}") for s in (first, last))
     tests = paired_tests(before, after)
-    parts = [f"<h3>{escape(run.label)}: step {first} against step {last}</h3>"]
+    parts = [f"<h3>{escape(run.label)}: {escape(point(at[first]))} against {escape(point(at[last]))}</h3>"]
+    axis = at[first].get("x", "step")
+    frm, to = (readable(s, axis) for s in (first, last))
     for metric in ("acc_norm", "acc"):
         flipped = flips(getattr(before, metric), getattr(after, metric))
-        parts.append(_flip_block(run.label, str(first), str(last), metric, flipped, before.phenomena, sentences, details))
-    names = (f"step {first}", f"step {last}")
+        parts.append(_flip_block(run.label, frm, to, metric, flipped, before.phenomena, sentences, details))
+    names = (f"{axis} {frm}", f"{axis} {to}")
     parts.append(f"<b>acc_norm, per phenomenon</b>{_tests_table(tests, 'acc_norm', *names)}")
     parts.append(f"<details><summary>acc, per phenomenon</summary>{_tests_table(tests, 'acc', *names)}</details>")
     return "".join(parts)
 
 
 def _never_and_unstable(run: Run, sentences, details) -> str:
-    outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records_up_to_step]
+    outcomes = [read_outcomes(r, f"{run.path} at {point(r)}") for r in run.records_up_to_step]
     found = sweep_flips(outcomes)
     phenomena = outcomes[0].phenomena
     never = sum(len(f.never_learned) for f in found.values())
@@ -223,7 +235,7 @@ def build_report(
     overview = [
         [
             run.label,
-            f"{len(run.records_up_to_step)} (last: step {run.record['step']})" if run.is_sweep else "1",
+            f"{len(run.records_up_to_step)} (last: {point(run.record)})" if run.is_sweep else "1",
             f"{run.record['acc_norm']:.4f} {format_interval(run.record.get('acc_norm_ci'))}",
             f"{run.record['acc']:.4f} {format_interval(run.record.get('acc_ci'))}",
             str(run.path),
@@ -266,6 +278,7 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
     sweeps = [run for run in runs if run.is_sweep]
     comparison = compare_runs(list(runs), threshold=threshold, paired=paired)
     body = []
+    axis = _axis(sweeps)
     if sweeps:
         body.append("<h2>Overall accuracy over training</h2>")
         body.append(
@@ -277,12 +290,15 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
                 f"{m} (overall)",
                 threshold=threshold if m == "acc_norm" else None,
                 chart_id=f"{ids}curve-{m}",
+                axis=axis,
             )
             for m in ("acc_norm", "acc")
         ]
         body.append(f'<div class="row">{"".join(charts)}</div>')
-        body.append("<h2>acc_norm per phenomenon and step</h2>")
-        body.append(f'<div class="meta">Outlined: the acquisition step (acc_norm reaches {threshold} and stays there).</div>')
+        body.append(f"<h2>acc_norm per phenomenon and {escape(axis)}</h2>")
+        body.append(
+            f'<div class="meta">Outlined: the acquisition {escape(axis)} (acc_norm reaches {threshold} and stays there).</div>'
+        )
         maps = []
         for k, run in enumerate(sweeps):
             history = run.history
@@ -290,9 +306,8 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
             values = {(n, e["step"]): e.get(f"tatblimp/{n}/acc_norm") for e in history for n in names}
             marks = acquisition_steps(history, threshold)
             steps_shown = [e["step"] for e in history]
-            maps.append(
-                f'<div class="scroll">{heatmap(names, steps_shown, values, run.label, chart_id=f"{ids}heatmap-{k}", marks=marks)}</div>'
-            )
+            chart = heatmap(names, steps_shown, values, run.label, chart_id=f"{ids}heatmap-{k}", marks=marks, axis=_axis([run]))
+            maps.append(f'<div class="scroll">{chart}</div>')
         body.append(f'<div class="row">{"".join(maps)}</div>')
     metrics, acquisition = comparison_rows(comparison)
     body.append("<h2>Side by side</h2>")
@@ -301,7 +316,7 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
     )
     tables = [_table(["metric", *[r.label for r in runs]], metrics)]
     if acquisition:
-        tables.append(_table([f"acquisition step (acc_norm >= {threshold} to the end)", *[r.label for r in runs]], acquisition))
+        tables.append(_table([f"acquisition {axis} (acc_norm >= {threshold} to the end)", *[r.label for r in runs]], acquisition))
     body.append(f'<div class="row">{"".join(tables)}</div>')
     for label, tests in comparison.tests.items():
         base = comparison.baseline
@@ -351,71 +366,3 @@ def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_report(runs, **options), encoding="utf-8")
     return path
-
-
-def add_report_parser(commands) -> None:
-    """Add ``tatblimp report`` to the CLI's sub-commands."""
-    from ..commands.loading import add_model_arguments
-
-    parser = commands.add_parser("report", help="write one self-contained HTML report of runs (curves, heatmap, flips)")
-    parser.add_argument("results", nargs="+", help="sweep / history JSONL files or score --output JSON files (first: baseline)")
-    parser.add_argument("--output", required=True, help="the HTML file to write")
-    parser.add_argument(
-        "--steps", type=int, nargs=2, metavar=("A", "B"), help="test these two steps of each sweep (default: first, last)"
-    )
-    parser.add_argument(
-        "--model", help="show the first run's flipped and never-learned pairs token by token, scored by this model"
-    )
-    parser.add_argument(
-        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
-    )
-    parser.add_argument("--title", default="TatBLiMP report", help="the page title")
-    parser.add_argument(
-        "--no-paired",
-        dest="paired",
-        action="store_false",
-        help="side by side only: no paired tests between the runs (results of other benchmark files or selections)",
-    )
-    add_model_arguments(parser)
-    parser.set_defaults(run=run_report)
-
-
-def run_report(args: argparse.Namespace) -> None:
-    from ..commands.outputs import check_output_file
-
-    check_output_file(args.output, "--output")  # before the work: a typo must not cost a model load
-    runs = load_runs(args.results)
-    steps = tuple(args.steps) if args.steps else None
-    check_steps(runs, steps)
-    details = None
-    if args.model:
-        from ..commands.explain import score_pairs
-        from ..commands.loading import load_from_args
-
-        benchmark = scored_benchmark(runs[0].record, args.data)  # the pairs scored: their selection, their mapping
-        if benchmark is None:
-            source = args.data or runs[0].record.get("benchmark", {}).get("source")
-            raise ValueError(
-                f"{source}: not the pairs {runs[0].path} was scored on (another file, selection or column mapping); "
-                "--model scores the pairs again: pass --data with the file they were scored on"
-            )
-        _, tokenizer, model = load_from_args(args, args.model)  # every loader option of score (device map, ...)
-        details = score_pairs(
-            model,
-            tokenizer,
-            benchmark,
-            report_pairs(runs, steps),
-            prefix_token_id=args.prefix_token_id,
-            truncate=args.truncate,
-        )
-    path = write_report(
-        args.output,
-        runs,
-        steps=steps,
-        data=args.data,
-        details=details,
-        threshold=args.threshold,
-        title=args.title,
-        paired=args.paired,
-    )
-    print(f"wrote {path}")

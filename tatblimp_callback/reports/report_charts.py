@@ -1,7 +1,8 @@
 """Inline SVG charts for the HTML report: curves with 95% bands, and a phenomenon x step heatmap.
 
 Plain strings of SVG, drawn here in Python, so that the report needs no script, library or font
-from anywhere: it opens from disk, from a mail attachment or in a wandb panel as it is.
+from anywhere: it opens from disk, from a mail attachment or in a wandb panel as it is. The x axis is
+the steps, or what a revision series is placed by (``axis``: tokens, words), its values written as ``4B``.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
 
+from ..results.positions import readable
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 
 
 @dataclass
 class Series:
-    """One line of a chart: (step, value) points and, where known, each point's 95% interval."""
+    """One line of a chart: (step, value) points and, where known, each point's 95% interval and its name (the
+    revision of a Hub series)."""
 
     label: str
     points: list[tuple[int, float]]
     bands: list[tuple[int, float, float]] = field(default_factory=list)  # (step, low, high)
     color: str = PALETTE[0]
+    names: dict[int, str] = field(default_factory=dict)  # step -> revision name
 
 
 def _finite(value: float | None) -> bool:
@@ -47,8 +52,10 @@ def line_chart(
     width: int = 540,
     height: int = 280,
     chart_id: str = "",
+    axis: str = "step",
 ) -> str:
-    """An SVG chart of accuracies (y from 0 to 1) over steps: lines with points, 95% bands, chance and threshold lines."""
+    """An SVG chart of accuracies (y from 0 to 1) over steps (or the tokens or words of ``axis``): lines with points,
+    95% bands, chance and threshold lines."""
     left, right, top, bottom = 46, 26, 28, 38  # right: room for half of the last step label, centred on its tick
     legend = legend_layout([line.label[:30] for line in series], left + 8 + 7.5 * len(title), left, width - right)
     top += LEGEND_ROW * max(row for _, row in legend or [(0, 0)])  # rows of legend below the title push the plot down
@@ -72,8 +79,11 @@ def line_chart(
         parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(value):.1f}" y2="{y(value):.1f}" class="grid"/>')
         parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" class="tick" text-anchor="end">{value:g}</text>')
     for step in _ticks(x_low, x_high):
-        parts.append(f'<text x="{x(step):.1f}" y="{height - bottom + 16}" class="tick" text-anchor="middle">{step:g}</text>')
-    parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 6}" class="tick" text-anchor="middle">step</text>')
+        text = f"{step:g}" if axis == "step" else readable(step, axis)
+        parts.append(f'<text x="{x(step):.1f}" y="{height - bottom + 16}" class="tick" text-anchor="middle">{text}</text>')
+    parts.append(
+        f'<text x="{(left + width - right) / 2}" y="{height - 6}" class="tick x-label" text-anchor="middle">{escape(axis)}</text>'
+    )
     parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(0.5):.1f}" y2="{y(0.5):.1f}" class="chance"/>')
     if threshold is not None:
         parts.append(
@@ -90,9 +100,10 @@ def line_chart(
             path = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points)
             parts.append(f'<polyline class="curve" points="{path}" stroke="{line.color}"/>')
         for s, v in points:
+            where = f"{axis} {readable(s, axis)}" + (f" ({line.names[s]})" if s in line.names else "")
             parts.append(
                 f'<circle class="point" cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.6" fill="{line.color}">'
-                f"<title>{escape(line.label)} step {s}: {v:.4f}</title></circle>"
+                f"<title>{escape(line.label)} {escape(where)}: {v:.4f}</title></circle>"
             )
     for line, (x_legend, row) in zip(series, legend):  # the legend, from the title's line on: it never covers a curve
         parts.append(f'<rect x="{x_legend:.0f}" y="{7 + LEGEND_ROW * row}" width="10" height="10" fill="{line.color}"/>')
@@ -136,10 +147,12 @@ def heatmap(
     *,
     chart_id: str = "",
     marks: Mapping[str, int | None] | None = None,
+    axis: str = "step",
 ) -> str:
     """An SVG grid: one row per phenomenon, one column per step, each cell coloured by its value and labelled.
 
-    ``marks``: per row, a step whose cell gets a black outline (the acquisition step).
+    ``marks``: per row, a step whose cell gets a black outline (the acquisition step). ``axis``: what the steps
+    count (tokens, words: the columns read ``4B``).
     """
     label_width, cell_w, cell_h, top = 210, max(34, min(90, 760 // max(len(steps), 1))), 20, 30
     marks_width = 110 if marks is not None else 0
@@ -152,16 +165,16 @@ def heatmap(
     for column, step in enumerate(steps):
         parts.append(
             f'<text x="{label_width + cell_w * (column + 0.5):.1f}" y="{height - 12}" class="tick" '
-            f'text-anchor="middle">{step}</text>'
+            f'text-anchor="middle">{readable(step, axis)}</text>'
         )
-    parts.append(f'<text x="{label_width - 6}" y="{height - 12}" class="tick" text-anchor="end">step</text>')
+    parts.append(f'<text x="{label_width - 6}" y="{height - 12}" class="tick x-label" text-anchor="end">{escape(axis)}</text>')
     if marks is not None:
         parts.append(f'<text x="{label_width + cell_w * len(steps) + 8}" y="{top - 6}" class="tick">acquired at</text>')
     for row, name in enumerate(rows):
         y = top + cell_h * row
         parts.append(f'<text x="{label_width - 6}" y="{y + 14}" class="tick" text-anchor="end">{escape(name)}</text>')
         if marks is not None:
-            acquired = "never" if marks.get(name) is None else f"step {marks[name]}"
+            acquired = "never" if marks.get(name) is None else f"{axis} {readable(marks[name], axis)}"
             parts.append(f'<text x="{label_width + cell_w * len(steps) + 8}" y="{y + 14}" class="tick">{acquired}</text>')
         for column, step in enumerate(steps):
             value = values.get((name, step))
@@ -172,7 +185,7 @@ def heatmap(
             ink = "#fff" if _finite(value) and abs(value - 0.5) > 0.32 else "#222"
             parts.append(
                 f'<rect class="cell" x="{x}" y="{y}" width="{cell_w - 1}" height="{cell_h - 1}" '
-                f'fill="{heat_color(value)}"{outline}><title>{escape(name)} step {step}: {text}</title></rect>'
+                f'fill="{heat_color(value)}"{outline}><title>{escape(name)} {escape(axis)} {readable(step, axis)}: {text}</title></rect>'
             )
             parts.append(f'<text x="{x + cell_w / 2:.1f}" y="{y + 14}" class="cell-text" fill="{ink}">{text}</text>')
     parts.append("</svg>")

@@ -11,6 +11,7 @@ import math
 from html import escape
 
 from ..commands.compare import Comparison, learning_rows
+from ..results.positions import axis_of, readable
 from ..results.regressions import RegressionAlert, recorded_alerts, replay_alerts
 from ..results.runs import Run
 
@@ -47,9 +48,11 @@ def _alerts_section(sweeps: list[Run]) -> str:
     for run in sweeps:
         alerts, recorded = run_alerts(run)
         source = "written by the callback" if recorded else "replayed by the report with the default thresholds"
+        axis = axis_of(run.records_up_to_step)  # a revision series: tokens or words
         rows = [
-            f'<tr class="alert" data-step="{a.step}" data-group="{escape(a.key)}"><td>{a.step}</td><td style="text-align: left">{escape(a.key)}</td>'
-            f"<td>{a.best_step}{' (previous)' if a.reference == 'previous' else ''}</td><td>{a.best_score:.4f}</td>"
+            f'<tr class="alert" data-step="{a.step}" data-group="{escape(a.key)}"><td>{readable(a.step, axis)}</td>'
+            f'<td style="text-align: left">{escape(a.key)}</td>'
+            f"<td>{readable(a.best_step, axis)}{' (previous)' if a.reference == 'previous' else ''}</td><td>{a.best_score:.4f}</td>"
             f"<td>{a.score:.4f}</td><td>{a.q_value:.2g}</td></tr>"
             for a in alerts
         ]
@@ -58,7 +61,7 @@ def _alerts_section(sweeps: list[Run]) -> str:
             f'<span class="meta">({source})</span></h3>'
         )
         if rows:
-            header = ["step", "what", "reference step", "reference acc_norm", "acc_norm", "q"]
+            header = [axis, "what", f"reference {axis}", "reference acc_norm", "acc_norm", "q"]
             parts.append(_table(header, rows, "alerts", f'data-run="{escape(run.label)}"'))
     return "".join(parts)
 
@@ -67,9 +70,10 @@ def _fits_section(comparison: Comparison) -> str:
     header, rows = learning_rows(comparison)
     if not rows:
         return ""
+    axis = escape(axis_of(r for run in comparison.runs if run.is_sweep for r in run.records_up_to_step))
     return (
         "<h2>Acquisition fits and trends</h2>"
-        '<div class="meta">Fitted step: the midpoint of a logistic curve in log(1 + step) from chance (0.5) to a fitted '
+        f'<div class="meta">Fitted {axis}: the midpoint of a logistic curve in log(1 + {axis}) from chance (0.5) to a fitted '
         "plateau, with a 95% bootstrap interval over pairs (200 draws, seeded). Trend: the latest evaluation against the "
         "one three evaluations earlier, pair by pair (rising or falling where the BH-adjusted McNemar q &lt; 0.05).</div>"
         + _table(header, rows, "fits")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..reading.identity import record_fingerprint
 from .curves import DEFAULT_THRESHOLD
+from .positions import axis_of, readable
 from .runs import CompareError, Run
 from .stats import PairedTest, format_interval, paired_tests
 
@@ -129,7 +130,7 @@ def comparison_rows(comparison: Comparison) -> tuple[list[list[str]], list[list[
         return text + (" *" if comparison.significant(run, metric, name) else "")
 
     metrics = [
-        ["step"] + [_fmt(run.record.get("step")) for run in runs],
+        [axis_of(r for run in runs for r in run.records)] + [_position(run) for run in runs],
         ["acc"] + [cell(run, run.record, "acc", "overall") for run in runs],
         ["acc_norm"] + [cell(run, run.record, "acc_norm", "overall") for run in runs],
         ["bits/byte (good)"] + [_fmt(run.record.get("bits_per_byte_good"), 3) for run in runs],
@@ -140,12 +141,25 @@ def comparison_rows(comparison: Comparison) -> tuple[list[list[str]], list[list[
     acquisition: list[list[str]] = []
     if any(run.is_sweep for run in runs):
         steps = [run.acquisition(comparison.threshold, comparison.use_lower_bound) for run in runs]
+        axes = [axis_of(run.records) for run in runs]
         for name in phenomena:
             acquisition.append(
                 [name]
-                + [("never" if s.get(name) is None else str(s[name])) if run.is_sweep else "n/a" for run, s in zip(runs, steps)]
+                + [
+                    ("never" if s.get(name) is None else readable(s[name], axis)) if run.is_sweep else "n/a"
+                    for run, s, axis in zip(runs, steps, axes)
+                ]
             )
     return metrics, acquisition
+
+
+def _position(run: Run) -> str:
+    """The step of the run's record, or the tokens or words of a revision series' (``4B tokens``: the row is named
+    for every run's axis, ``step / tokens`` for two kinds)."""
+    step, axis = run.record.get("step"), run.record.get("x", "step")
+    if step is None or axis == "step":
+        return _fmt(step)
+    return f"{readable(step, axis)} {axis}"
 
 
 def paired_header(before: str, after: str) -> list[str]:

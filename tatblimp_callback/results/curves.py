@@ -150,11 +150,13 @@ def plot_runs(
     ``threshold`` (None: no line), a dotted one chance (0.5); the legend names every line. A history may also be
     records with ``Results.to_dict()``'s keys (see ``plot_curves``). ``levels``: results without a step
     (label -> entry or record), each drawn as a horizontal line. ``x_label``: what the steps count (a sweep of Hub
-    revisions may count tokens or words). Needs matplotlib
+    revisions may count tokens or words, its ticks then read ``4B``). Needs matplotlib
     (``pip install tatblimp-callback[plot]``).
     """
     plt = require_matplotlib()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    from .positions import readable
 
     levels = {label: as_history([entry], prefix)[0] for label, entry in (levels or {}).items()}
     if not any(runs.values()) and not levels:
@@ -179,6 +181,8 @@ def plot_runs(
         axis.axhline(0.5, color="darkgrey", linestyle=":", linewidth=0.8, label="chance (0.5)")
         axis.set_ylim(-0.02, 1.02)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if x_label != "step":  # counts of tokens or words: 4B, not 4 and an offset of 1e9
+            axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _, axis=x_label: readable(value, axis)))
         axis.set_title(name, fontsize=8, fontweight="bold" if name == "overall" else "normal")
         axis.tick_params(labelsize=7)
     for axis in list(axes.flat)[len(panels) :]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .positions import readable
 from .stats import ALPHA, OUTCOME_NOT_FINITE, OUTCOME_PASS, Outcomes, bh_adjust, paired_counts
 
 CHANCE = 0.5
@@ -64,12 +65,13 @@ class AcquisitionFit:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "interval": list(self.interval) if self.interval is not None else None}
 
-    def describe(self) -> str:
-        """``"420 [310, 560]"`` when acquired (``560+``: the interval reaches past the last evaluation), else the status."""
+    def describe(self, axis: str = "step") -> str:
+        """``"420 [310, 560]"`` when acquired (``560+``: the interval reaches past the last evaluation), else the status;
+        on a revision series' ``axis`` of tokens or words, ``"3.7B [2B, 4B]"``."""
         if not self.acquired:
             return self.status
-        low, high = self.interval
-        return f"{self.step:.0f} [{low:.0f}, {high:.0f}{'+' if self.open_ended else ''}]"
+        low, high = (readable(value, axis) for value in self.interval)
+        return f"{readable(self.step, axis)} [{low}, {high}{'+' if self.open_ended else ''}]"
 
 
 def _curve(x, plateau, x_mid, slope):

@@ -163,10 +163,10 @@ def shared_suites(runs: list[Run]) -> list[str]:
 
 
 def suite_run(run: Run, name: str) -> Run:
-    """``run``'s results of suite ``name`` as a run of their own (a sweep's lines that scored it, same label and step)."""
-    records = [
-        {**r["suites"][name], **({"step": r["step"]} if "step" in r else {})} for r in run.records if name in r.get("suites", {})
-    ]
+    """``run``'s results of suite ``name`` as a run of their own (a sweep's lines that scored it, same label and step,
+    and a revision series' axis and revision names)."""
+    where = ("step", "x", "revision", "revisions")
+    records = [{**r["suites"][name], **{k: r[k] for k in where if k in r}} for r in run.records if name in r.get("suites", {})]
     step = run.step if run.step is None or any(r.get("step") == run.step for r in records) else None
     return Run(run.label, run.path, records, run.is_sweep, step)
 
