@@ -167,7 +167,7 @@ class Evaluator:
         finally:
             lm.train(training)
 
-    def __call__(self, model: torch.nn.Module, suites: list[str] | None = None) -> Results:
+    def __call__(self, model: torch.nn.Module, suites: list[str] | None = None, *, weights: str | None = None) -> Results:
         """Score every pair with ``model`` and return the results.
 
         Under ``torch.distributed`` every process calls this; each scores a share of the batches
@@ -178,6 +178,8 @@ class Evaluator:
                 or PEFT; it is scored in eval mode without gradients and put back in the mode it was in.
                 With ``backend="vllm"``: a model folder or Hub id, or a ``vllm.LLM``.
             suites: the names of the suites to score this time (default: all); TatBLiMP is always scored.
+            weights: the ``weights_label`` of ``model``'s weights as they are now, when the caller has just taken
+                it (the training callbacks): not hashed again. None: taken here.
 
         Returns:
             The metrics overall, per phenomenon and subtype, and per pair.
@@ -193,7 +195,7 @@ class Evaluator:
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
         if not self._parts:  # a prebuilt cache: TatBLiMP alone
-            logprobs, run_info = timed_score(scorer)
+            logprobs, run_info = timed_score(scorer, weights=weights)
             run_info["cache_bytes"] = scorer.cache.nbytes
             results = compute_results(scorer.cache, logprobs, run_info)
             if self.include_tokens:
@@ -208,7 +210,7 @@ class Evaluator:
         chosen = None
         if len(parts) < len(self._parts):
             chosen = [s for _, cache, start in parts for s in range(start, start + cache.num_sentences)]
-        logprobs, run_info = timed_score(scorer, chosen)
+        logprobs, run_info = timed_score(scorer, chosen, weights)
         run_info["cache_bytes"] = scorer.cache.nbytes
         results = None
         for name, cache, start in parts:
@@ -262,17 +264,21 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     return evaluator._scorer
 
 
-def timed_score(scorer: Scorer, sequences: range | list[int] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+def timed_score(
+    scorer: Scorer, sequences: range | list[int] | None = None, weights: str | None = None
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """``scorer.score(sequences)``, and how it was computed: the method, seconds, padding and sharing, retries,
-    ``weights``, the label (``model_checks.weights_label``) of the weights it measured, and what made it
-    (``provenance``: versions, dtype, device, date), and the ``backend`` that scored."""
+    ``weights``, the label (``model_checks.weights_label``) of the weights it measured (given: the caller's label
+    of them, taken just before; it hashes every weight), and what made it (``provenance``: versions, dtype,
+    device, date), and the ``backend`` that scored."""
     if isinstance(scorer, VllmScorer):
         start = time.perf_counter()
         logprobs = scorer.score(sequences)
         seconds = time.perf_counter() - start
         info = {"backend": "vllm", "scoring_method": "vllm", "seconds": seconds, "startup_seconds": scorer.startup_seconds}
         return logprobs, {**info, "weights": None, **provenance(), **scorer.describe()}
-    weights = weights_label(scorer.lm)  # before: the weights measured
+    if weights is None:
+        weights = weights_label(scorer.lm)  # before: the weights measured
     start = time.perf_counter()
     logprobs = scorer.score() if sequences is None else scorer.score(sequences)  # as before when all are scored
     seconds = time.perf_counter() - start

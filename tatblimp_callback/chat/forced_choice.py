@@ -201,15 +201,16 @@ class ForcedChoiceEvaluator:
 
         return scorer_for(self, model, build, memory_budget=self.memory_budget, method=self.method, row_length=DEFAULT_ROW_LENGTH)
 
-    def __call__(self, model: torch.nn.Module) -> ForcedChoiceResults:
-        """Answer every item with ``model`` and return the results.
+    def __call__(self, model: torch.nn.Module, *, weights: str | None = None) -> ForcedChoiceResults:
+        """Answer every item with ``model`` and return the results; ``weights``: as ``Evaluator``'s (the label of the
+        model's weights, when the caller has just taken it).
 
         Under ``torch.distributed`` every process calls this; each scores a share of the batches
         and all of them return the same results. A failure on one process raises on all of them.
         """
         with distributed.shared_failures():  # the other processes are about to check in
             scorer = self.prepare(model)
-        logprobs, run_info = timed_score(scorer)
+        logprobs, run_info = timed_score(scorer, weights=weights)
         cache = scorer.cache
         run_info["answer_token_ids"] = list(cache.answer_ids)
         name = getattr(scorer.lm.config, "_name_or_path", "") or cache.tokenizer_name

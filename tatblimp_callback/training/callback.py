@@ -35,7 +35,7 @@ from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options, reporting
-from .in_loop import InLoopMonitor, MonitoredResults
+from .in_loop import HISTORY_FILE, InLoopMonitor, MonitoredResults, refuse_shared_history_file
 from .suite_schedule import check_suite_options, never_logged, unscored_placeholders
 
 logger = logging.getLogger(__name__)
@@ -118,9 +118,12 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     log_table: bool = True
     """At the end of training, log a wandb Table of the per-phenomenon results."""
 
-    history_file: str | os.PathLike | None = "tatblimp_history.jsonl"
+    history_file: str | os.PathLike | None = HISTORY_FILE
     """Write each evaluation as a JSON line here (relative to ``output_dir``; main process only), the
-    record of a ``tatblimp sweep`` line without "checkpoint": ``tatblimp compare`` reads it. None: no file."""
+    record of a ``tatblimp sweep`` line without "checkpoint": ``tatblimp compare`` reads it. ``{log_prefix}`` in it
+    is the ``log_prefix``: the default is ``tatblimp_history.jsonl``, and another file for a callback of another
+    prefix. Two callbacks of the Trainer the callback knows (``attach``, ``trainer=``) that would write one file are
+    refused when training starts. None: no file."""
 
     report_file: str | os.PathLike | None = None
     """At the end of training, write this run's HTML report (``tatblimp report`` of ``history_file``) here,
@@ -228,6 +231,8 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
             raise ValueError(
                 f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
             )
+        if history_file and self._trainer is not None:  # the other callbacks are known through the Trainer only
+            refuse_shared_history_file(self._monitor, self._trainer.callback_handler.callbacks, getattr(args, "output_dir", None))
         if state.is_world_process_zero and history_file:
             self._monitor.open_history_files(getattr(args, "output_dir", None))
         if state.is_world_process_zero:

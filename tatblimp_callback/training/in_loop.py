@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedChoiceResults
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 Publish = Callable[[int, dict[str, float], "Results | None"], None]
 
 _RESTORED = "restored"  # the weights of a resumed run's last restored point: its checkpoint's
+
+HISTORY_FILE = "{log_prefix}_history.jsonl"  # the callbacks' default: tatblimp_history.jsonl, one file a prefix
 
 
 class InLoopMonitor:
@@ -83,10 +87,15 @@ class InLoopMonitor:
         self.history_file: reporting.HistoryFile | None = None
         self.suite_history_files: dict[str, reporting.HistoryFile] = {}
 
+    def history_setting(self) -> str | None:
+        """``settings.history_file`` with ``{log_prefix}`` replaced by the log prefix (None: no file)."""
+        setting = self.settings.history_file
+        return None if setting is None else os.fspath(setting).replace("{log_prefix}", self.settings.log_prefix)
+
     def open_history_files(self, output_dir: str | None) -> None:
-        """Open the history file (``settings.history_file`` under ``output_dir``) and the suites', keeping a
+        """Open the history file (``history_setting()`` under ``output_dir``) and the suites', keeping a
         resumed run's lines of the steps in ``history``; main process only."""
-        self.history_file = reporting.HistoryFile.resolve(self.settings.history_file, output_dir)
+        self.history_file = reporting.HistoryFile.resolve(self.history_setting(), output_dir)
         if self.history_file is not None:
             try:
                 self.history_file.start({entry["step"] for entry in self.history})
@@ -196,12 +205,14 @@ class InLoopMonitor:
                 self._record(step, self._last_metrics, results, publish, main)
             return self._last_metrics
         with rng_preserved():
-            evaluator = self.evaluator
+            # The label taken above is handed down: hashing every weight again would cost as much once more.
+            evaluator = self.evaluator and functools.partial(self.evaluator, weights=weights)
             if self.settings.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
                 due = suites_due(self.settings.suites, self.settings.suite_every, len(self.history))
                 evaluator = functools.partial(evaluator, suites=due)
+            fc_evaluator = self.fc_evaluator and functools.partial(self.fc_evaluator, weights=weights)
             results = self.guarded(evaluator, model) if evaluator is not None else None
-            fc_results = self.guarded(self.fc_evaluator, model) if self.fc_evaluator is not None else None
+            fc_results = self.guarded(fc_evaluator, model) if fc_evaluator is not None else None
         metrics = self._metrics(step, results, fc_results, weights)
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
             self.alerts.observe(step, results, main)
@@ -325,6 +336,25 @@ class MonitoredResults:
         """Set when training ends: per phenomenon, the fitted acquisition step with its 95% interval and the latest
         trend (rising, flat, falling); see ``learning.py``. With wandb also in the end-of-training table."""
         return self._monitor.learning
+
+
+def refuse_shared_history_file(monitor: InLoopMonitor, callbacks: Iterable[Any], output_dir: str | None) -> None:
+    """``ValueError`` when another TatBLiMP callback among ``callbacks`` (a Trainer's) would write the same history
+    file as ``monitor``'s: their lines would interleave in one file, and each would cut the other's on resume."""
+    mine = reporting.HistoryFile.resolve(monitor.history_setting(), output_dir)
+    if mine is None:
+        return
+    for other in callbacks:
+        theirs = getattr(other, "_monitor", None)
+        if not isinstance(theirs, InLoopMonitor) or theirs is monitor:
+            continue
+        found = reporting.HistoryFile.resolve(theirs.history_setting(), output_dir)
+        if found is not None and Path(os.path.abspath(found.path)) == Path(os.path.abspath(mine.path)):
+            prefixes = f"log_prefix {monitor.settings.log_prefix!r} and {theirs.settings.log_prefix!r}"
+            raise ValueError(
+                f"two TatBLiMP callbacks ({prefixes}) would write the same history file {mine.path}: give each its "
+                "own history_file, or its own log_prefix (the default file is named for it: {log_prefix}_history.jsonl)"
+            )
 
 
 def _weights_label_or_none(model) -> str | None:

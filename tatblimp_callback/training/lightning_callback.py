@@ -28,7 +28,7 @@ from ..engine.model_checks import unwrap_model
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
-from .in_loop import InLoopMonitor, MonitoredResults
+from .in_loop import HISTORY_FILE, InLoopMonitor, MonitoredResults, refuse_shared_history_file
 from .lightning_monitoring import expose, warn_about_monitors
 from .suite_schedule import check_suite_options
 
@@ -50,7 +50,8 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     or any logged key, whatever the order of the callbacks. Between evaluations the keys keep the last
     evaluation's values (a resumed run starts with its checkpoint's last values); a key that an evaluation did not
     score (a suite ``suite_every`` skips, a failed evaluation) is NaN from it on, never another step's score.
-    Two callbacks in one Trainer need other ``log_prefix``es (each has its ``state_key``) and ``history_file``s.
+    Two callbacks in one Trainer need other ``log_prefix``es (each has its ``state_key``, and its default
+    ``history_file`` is named for it); two that would write one history file are refused when training starts.
 
     Raises:
         ValueError: ``eval_every_n_steps`` is not a whole number of at least 1, or ``protocol`` is unknown
@@ -109,9 +110,11 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     log_prefix: str = "tatblimp"
     """Prefix of every logged key."""
 
-    history_file: str | os.PathLike | None = "tatblimp_history.jsonl"
+    history_file: str | os.PathLike | None = HISTORY_FILE
     """Write each evaluation as a JSON line here (relative to the Trainer's ``default_root_dir``; rank 0 only),
-    read by ``tatblimp compare`` and ``tatblimp report``. None: no file."""
+    read by ``tatblimp compare`` and ``tatblimp report``; ``{log_prefix}`` in it is the ``log_prefix``, so the
+    default is ``tatblimp_history.jsonl``, and another file for a callback of another prefix. Two callbacks of one
+    Trainer that would write one file are refused when training starts. None: no file."""
 
     acquisition_threshold: float = DEFAULT_THRESHOLD
     """acc_norm a phenomenon must reach and keep through the last evaluation to count as acquired."""
@@ -172,6 +175,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
             expose(trainer, {k: v for k, v in entry.items() if k != "step"}, self._monitor.is_our_metric)
         warn_about_monitors(trainer, self)
         self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
+        refuse_shared_history_file(self._monitor, trainer.callbacks, trainer.default_root_dir)  # on every rank alike
         if trainer.is_global_zero:
             self._monitor.open_history_files(trainer.default_root_dir)
         tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
