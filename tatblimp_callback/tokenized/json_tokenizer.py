@@ -23,6 +23,11 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 EXTRA_SPECIAL_NAMES = ("additional_special_tokens", "extra_special_tokens")
 
 
+def _special_id(key: str) -> property:
+    """The id of the special token the config names ``key`` (``bos_token``): None without one, as in transformers."""
+    return property(lambda self: self._ids.get(key), doc=f"The id of the {key.removesuffix('_token')} token, or None.")
+
+
 class JsonTokenizer:
     """A ``tokenizers.Tokenizer`` with its special tokens named as transformers names them."""
 
@@ -53,24 +58,10 @@ class JsonTokenizer:
         extra = [_content(token) for key in EXTRA_SPECIAL_NAMES for token in _listed(config.get(key))]
         return cls(Tokenizer.from_file(str(path)), named, extra, name if name is not None else str(folder))
 
-    def _special(self, key: str) -> int | None:
-        return self._ids.get(key)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._special("bos_token")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._special("eos_token")
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._special("unk_token")
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._special("pad_token")
+    bos_token_id = _special_id("bos_token")
+    eos_token_id = _special_id("eos_token")
+    unk_token_id = _special_id("unk_token")
+    pad_token_id = _special_id("pad_token")
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
