@@ -149,16 +149,21 @@ def test_report_steps_take_counts_and_revision_names_and_a_suite_keeps_the_axis(
 def test_compare_tables_and_plot_of_a_tokens_series(tmp_path, capsys):
     import matplotlib
 
-    path, _ = series(tmp_path, "tokens")
+    path, names = series(tmp_path, "tokens")
     plot = tmp_path / "curves.svg"
+    assert main(["compare", f"{path}@5B"]) == 1
+    assert f"{path}: no tokens 5B (tokens: 0, 400M, 800M, 1.2B," in capsys.readouterr().err
+    assert main(["compare", f"{path}@step999"]) == 1
+    assert f"@step999: not a step, a count such as 4B, nor a revision of it (revisions: {names[0]}," in capsys.readouterr().err
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # the labels as text in the SVG
-        assert main(["compare", str(path), "--plot", str(plot)]) == 0
+        assert main(["compare", f"{path}@400M", f"{path}@{names[2000]}", "--plot", str(plot)]) == 0
     text = capsys.readouterr().out
-    assert re.search(r"^tokens\s+4B tokens$", text, re.M)
+    assert f"org--tiny-tokens@400M  org--tiny-tokens@{names[2000]}" in text  # picked by count and by revision name
+    assert re.search(r"^tokens\s+400M tokens\s+4B tokens$", text, re.M)
     acquired = acquisition_steps(history_from_records(demo_records()))
     name, step = next((n, s) for n, s in acquired.items() if s is not None)
-    assert re.search(rf"^  {re.escape(name)}\s+{readable(TOKENS[step], 'tokens')}$", text, re.M)
-    assert "fitted tokens [95%]" in text
+    assert re.search(rf"^  {re.escape(name)}\s+\S+\s+{readable(TOKENS[step], 'tokens')}$", text, re.M)
+    assert f"org--tiny-tokens@{names[2000]}: fitted tokens [95%]" in text
     svg = plot.read_text(encoding="utf-8")
     labels = re.findall(r">([^<>]+)</text>", svg)
     assert "tokens" in labels and {"1B", "2B", "4B"} <= set(labels)

@@ -255,7 +255,10 @@ def add_compare_parser(commands) -> None:
     """Add ``tatblimp compare`` to the CLI's sub-commands."""
     parser = commands.add_parser("compare", help="compare results files (score --output or sweep JSONL), with paired tests")
     parser.add_argument(
-        "results", nargs="+", help="score --output JSON files and/or sweep JSONL files (RUN.jsonl@STEP: that step)"
+        "results",
+        nargs="+",
+        help="score --output JSON files and/or sweep JSONL files (RUN.jsonl@STEP: that step; of a revision series also "
+        "@4B or @REVISION)",
     )
     parser.add_argument("--baseline", help="label of the run the others are tested against (default: the first)")
     parser.add_argument("--step", type=int, help="compare every sweep at this step (default: its last)")

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 
 from ..results.curves import DEFAULT_THRESHOLD
-from ..results.positions import parse_readable
+from ..results.positions import find_step
 from ..results.runs import Run, load_runs
 from ..results.scored_pairs import scored_benchmark
 from .report import check_steps, report_pairs, write_report
@@ -29,17 +29,14 @@ def resolve_steps(runs: Sequence[Run], texts: Sequence[str] | None) -> tuple[int
     records = [record for run in runs if run.is_sweep for record in run.records_up_to_step]
     steps = []
     for text in texts:
-        number = parse_readable(text)
+        number = find_step(records, text)
         if number is None:
-            named = [r["step"] for r in records if text == r.get("revision") or text in r.get("revisions", ())]
-            if not named:
-                known = list(dict.fromkeys(r["revision"] for r in records if r.get("revision")))
-                some = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "")
-                raise ValueError(
-                    f"--steps {text!r}: not a step, a count such as 4B, nor the name of a revision"
-                    + (f" ({some})" if known else " (these results name none)")
-                )
-            number = named[0]
+            known = list(dict.fromkeys(r["revision"] for r in records if r.get("revision")))
+            some = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "")
+            raise ValueError(
+                f"--steps {text!r}: not a step, a count such as 4B, nor the name of a revision"
+                + (f" ({some})" if known else " (these results name none)")
+            )
         steps.append(number)
     return steps[0], steps[1]
 

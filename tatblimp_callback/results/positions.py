@@ -4,7 +4,8 @@ A run folder's records are placed by training step; a sweep over a Hub repositor
 (``tatblimp sweep HUB_ID --revisions ... --x tokens``) by the tokens or words its revision names give, written in
 each record as ``x`` with the value in ``step`` and the name in ``revision``. ``axis_of`` says which, ``readable``
 writes a value as people write those counts (``4B``, ``10M``; steps as they are), ``point`` names one record
-(``tokens 4B (step1000-tokens4B)``) and ``parse_readable`` reads ``4B`` back.
+(``tokens 4B (step1000-tokens4B)``), ``parse_readable`` reads ``4B`` back and ``find_step`` a count or a revision
+name given on the command line (``compare FILE@4B``, ``report --steps``).
 """
 
 from __future__ import annotations
@@ -56,3 +57,12 @@ def parse_readable(text: str) -> int | None:
         return None
     scale = dict(_UNITS, G=10**9).get(unit.upper(), 1)
     return round(float(number) * scale)
+
+
+def find_step(records: Iterable[Mapping[str, Any]], text: str) -> int | None:
+    """The step ``text`` names among ``records``: a number as it is (``1200``, ``4B``), a revision's name as the
+    step of the first record that names it (``step1000-tokens4B``, or a second name of its commit); None: neither."""
+    number = parse_readable(text)
+    if number is not None:
+        return number
+    return next((r["step"] for r in records if text == r.get("revision") or text in r.get("revisions", ())), None)

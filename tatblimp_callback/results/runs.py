@@ -16,6 +16,7 @@ from typing import Any
 
 from ..reading.jsonl import split_lines
 from .curves import DEFAULT_THRESHOLD, acquisition_steps, history_from_records
+from .positions import axis_of, find_step, readable
 from .stats import Outcomes
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,9 @@ class Run:
         if not self.is_sweep:
             raise CompareError(f"{self.path}@{step}: a step can be picked from a sweep (JSON lines), not from a single result")
         if all(r["step"] != step for r in self.records):
-            steps = sorted({r["step"] for r in self.records})
-            raise CompareError(f"{self.path}: no step {step} (steps: {', '.join(map(str, steps))})")
+            axis = axis_of(self.records)
+            steps = ", ".join(readable(s, axis) for s in sorted({r["step"] for r in self.records}))
+            raise CompareError(f"{self.path}: no {axis} {readable(step, axis)} ({'steps' if axis == 'step' else axis}: {steps})")
         self.step = step
         self.__dict__.pop("outcomes", None)
         self.__dict__.pop("history", None)
@@ -171,19 +173,32 @@ def suite_run(run: Run, name: str) -> Run:
     return Run(run.label, run.path, records, run.is_sweep, step)
 
 
+def _named_step(run: Run, text: str) -> int:
+    """The step ``PATH@text`` picks: a step, a count (``4B``) or a revision's name (``positions.find_step``)."""
+    step = find_step(run.records, text)
+    if step is None:
+        names = ", ".join(dict.fromkeys(r["revision"] for r in run.records if r.get("revision"))) or "none"
+        raise CompareError(f"{run.path}@{text}: not a step, a count such as 4B, nor a revision of it (revisions: {names})")
+    return step
+
+
 def load_runs(specs: list[str | os.PathLike], step: int | None = None) -> list[Run]:
     """``load_run`` for each ``PATH`` or ``PATH@STEP``; ``step``: the step of every sweep given without one.
 
-    A run picked by ``@STEP`` is labelled ``<label>@<step>``; runs with the same label are told apart by their path.
+    ``STEP`` of a revision series may be a count as its names write it (``@4B``) or a revision's name
+    (``@step1000-tokens4B``). A run picked by ``@STEP`` is labelled ``<label>@<STEP>``; runs with the same label are
+    told apart by their path.
     """
     runs = []
     for spec in specs:
         path, picked = Path(spec), None
-        match = re.fullmatch(r"(.+)@(\d+)", str(spec))
-        if match and not path.exists():
-            path, picked = Path(match.group(1)), int(match.group(2))
-        run = load_run(path, step=picked)
+        match = re.fullmatch(r"(.+)@([^@/]+)", str(spec))
+        # @1200; of a revision series also @4B or @step1000-tokens4B (then only where the file is there)
+        if match and not path.exists() and (match.group(2).isdigit() or Path(match.group(1)).exists()):
+            path, picked = Path(match.group(1)), match.group(2)
+        run = load_run(path)
         if picked is not None:
+            run.pick(_named_step(run, picked))
             run.label = f"{run.label}@{picked}"
         elif step is not None and run.is_sweep:
             run.pick(step)
