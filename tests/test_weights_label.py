@@ -103,9 +103,10 @@ def test_the_monitor_scores_weights_that_differ_only_in_two_swapped_head_rows(tm
     assert callback.last_results.run_info["weights"] == fresh.run_info["weights"] == weights_label(module.model)
 
 
-def test_an_in_loop_evaluation_hashes_the_weights_once(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+@pytest.mark.parametrize("protocol", ["logprob", "both"])
+def test_an_in_loop_evaluation_hashes_the_weights_once(tmp_path, chat_tokenizer, small_data, monkeypatch, protocol):
     """The monitor's label of the weights is the one the results carry: every weight is hashed once per evaluation,
-    not again by the evaluator (it costs as much as a forward pass over the weights)."""
+    not again by each evaluator (it costs as much as a forward pass over the weights)."""
     pytest.importorskip("lightning")
     from tatblimp_callback.lightning import TatBLiMPLightningCallback
     from test_lightning import Wrapped, fit
@@ -113,11 +114,16 @@ def test_an_in_loop_evaluation_hashes_the_weights_once(tmp_path, bpe_tokenizer, 
     hashed = []
     original = model_checks.tensor_digest
     monkeypatch.setattr(model_checks, "tensor_digest", lambda tensor: hashed.append(tensor.numel()) or original(tensor))
-    module = Wrapped(len(bpe_tokenizer))
+    module = Wrapped(len(chat_tokenizer))
+    module.model = tiny_llama(len(chat_tokenizer), max_position_embeddings=512).train()  # room for the chat prompts
     held = [t.numel() for _, t in [*module.model.named_parameters(), *module.model.named_buffers()] if t.numel()]
-    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
-    fit(module, None, tmp_path, 2, bpe_tokenizer, callbacks=[callback])
+    callback = TatBLiMPLightningCallback(
+        tokenizer=chat_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1, protocol=protocol
+    )
+    fit(module, None, tmp_path, 2, chat_tokenizer, callbacks=[callback])
     assert [e["step"] for e in callback.history] == [0, 1, 2]
     assert hashed == held * 3  # steps 0, 1 and 2: each weight once
     labels = [json.loads(line)["weights"] for line in (tmp_path / "tatblimp_history.jsonl").read_text().splitlines()]
     assert len(set(labels)) == 3 and labels[-1] == callback.last_results.run_info["weights"] == weights_label(module.model)
+    if protocol == "both":
+        assert callback.last_fc_results.run_info["weights"] == labels[-1]

@@ -206,11 +206,11 @@ class InLoopMonitor:
             return self._last_metrics
         with rng_preserved():
             # The label taken above is handed down: hashing every weight again would cost as much once more.
-            evaluator = self.evaluator and functools.partial(self.evaluator, weights=weights)
+            evaluator = None if self.evaluator is None else functools.partial(self.evaluator, weights=weights)
             if self.settings.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
                 due = suites_due(self.settings.suites, self.settings.suite_every, len(self.history))
                 evaluator = functools.partial(evaluator, suites=due)
-            fc_evaluator = self.fc_evaluator and functools.partial(self.fc_evaluator, weights=weights)
+            fc_evaluator = None if self.fc_evaluator is None else functools.partial(self.fc_evaluator, weights=weights)
             results = self.guarded(evaluator, model) if evaluator is not None else None
             fc_results = self.guarded(fc_evaluator, model) if fc_evaluator is not None else None
         metrics = self._metrics(step, results, fc_results, weights)
