@@ -67,7 +67,7 @@ def test_other_pairs_or_a_new_suite_start_afresh_and_bad_options_are_refused():
         RegressionMonitor(alpha=0)
     with pytest.raises(ValueError, match="minimum drop"):
         RegressionMonitor(min_drop=1.5)
-    with pytest.raises(ValueError, match="alert mode must be one of 'per_run', 'per_evaluation'"):
+    with pytest.raises(ValueError, match="alert mode must be one of 'pooled', 'per_run', 'per_evaluation'"):
         RegressionMonitor(mode="per-run")
 
 

@@ -27,7 +27,10 @@ import math
 # first few evaluations (while a model learns fast, falls are rare) to the tens and hundreds.
 SPENDING_OFFSET = 10
 SPENDING_NORMALISER = 0.42515696619253746
-PREVIOUS_SHARE = 0.5  # of a group's share: the comparison with the previous evaluation; the rest, with the best
+PREVIOUS_SHARE = 0.5  # per_run: of a group's share, the comparison with the previous evaluation; the rest, the best
+# pooled: of a group's share, each window (the last 1, 2, 3 evaluations against the as many before) and the best
+WINDOW_WEIGHTS = (0.45, 0.1, 0.35)
+BEST_WEIGHT = 0.1
 
 
 def look_share(j):
@@ -58,6 +61,19 @@ def group_p_value(p_previous, p_best, earlier):
 
     earlier = np.maximum(np.asarray(earlier), 1)
     p = np.minimum(np.asarray(p_previous) / PREVIOUS_SHARE, np.asarray(p_best) * earlier / (1 - PREVIOUS_SHARE))
+    p = np.minimum(p, 1.0)
+    return float(p) if np.ndim(p) == 0 else p
+
+
+def pooled_group_p_value(window_p_values, p_best, earlier):
+    """The pooled mode's group p-value: the smallest of each window's p-value divided by its weight
+    (``WINDOW_WEIGHTS``, windows 1, 2, 3 in that order) and of ``p_best`` times ``earlier`` divided by
+    ``BEST_WEIGHT`` (weighted Bonferroni: the weights sum to 1); pass 1.0 for a test not made."""
+    import numpy as np
+
+    p = np.asarray(p_best) * np.maximum(np.asarray(earlier), 1) / BEST_WEIGHT
+    for p_window, weight in zip(window_p_values, WINDOW_WEIGHTS, strict=True):
+        p = np.minimum(p, np.asarray(p_window) / weight)
     p = np.minimum(p, 1.0)
     return float(p) if np.ndim(p) == 0 else p
 
