@@ -40,7 +40,7 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: small products, cores shared with others
 
-import numpy as np  # noqa: E402
+import numpy as np
 from scipy.stats import binom, false_discovery_control, norm
 
 from tatblimp_callback.reading.data import load_benchmark

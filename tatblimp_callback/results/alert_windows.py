@@ -46,22 +46,19 @@ class WindowCounts:
 def window_counts(recent: Sequence[str], window: int) -> WindowCounts | None:
     """The comparison of the last ``window`` outcome strings of ``recent`` (oldest first, the current one last)
     with the ``window`` before them; None where ``recent`` has fewer than 2 ``window``."""
+    import numpy as np  # here, not at the top: `tatblimp --help` loads no numpy
+
     if len(recent) < 2 * window:
         return None
-    before, after = recent[-2 * window : -window], recent[-window:]
-    n = statistic = passed_before = passed_after = 0
-    magnitudes = [0] * window
-    for i in range(len(after[0])):
-        column_before = [text[i] for text in before]
-        column_after = [text[i] for text in after]
-        if OUTCOME_NOT_FINITE in column_before or OUTCOME_NOT_FINITE in column_after:
-            continue
-        a, b = column_before.count(OUTCOME_PASS), column_after.count(OUTCOME_PASS)
-        n, passed_before, passed_after, statistic = n + 1, passed_before + a, passed_after + b, statistic + a - b
-        if a != b:
-            magnitudes[abs(a - b) - 1] += 1
+    codes = np.array([np.frombuffer(text.encode("ascii"), np.uint8) for text in recent[-2 * window :]])
+    finite = (codes != ord(OUTCOME_NOT_FINITE)).all(0)
+    passes = (codes[:, finite] == ord(OUTCOME_PASS)).astype(np.int64)
+    before, after = passes[:window].sum(0), passes[window:].sum(0)
+    d = before - after
+    n = int(finite.sum())
+    magnitudes = tuple(int(count) for count in np.bincount(np.abs(d), minlength=window + 1)[1 : window + 1])
     scale = window * n if n else 1
-    return WindowCounts(window, n, statistic, tuple(magnitudes), passed_before / scale, passed_after / scale)
+    return WindowCounts(window, n, int(d.sum()), magnitudes, int(before.sum()) / scale, int(after.sum()) / scale)
 
 
 @lru_cache(maxsize=65536)

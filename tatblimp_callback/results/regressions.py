@@ -193,7 +193,14 @@ class RegressionMonitor:
                 if against_best.n:  # no pair finite in both: nothing to compare (neither a fall nor a recovery)
                     compared.append(
                         _Comparison(
-                            benchmark, group, now, best, against_best, previous, against_previous, self._seen[key],
+                            benchmark,
+                            group,
+                            now,
+                            best,
+                            against_best,
+                            previous,
+                            against_previous,
+                            self._seen[key],
                             [*recent, now],
                         )
                     )
@@ -272,12 +279,11 @@ class RegressionMonitor:
                 alerts.append(self._alert(c, c.previous, c.against_previous, p_value, float(q_value), "previous"))
             else:
                 start = c.recent[-2 * counts.window].step
-                alerts.append(
-                    RegressionAlert(
-                        c.benchmark, c.group, c.current.step, start, counts.after_score, counts.before_score, counts.n,
-                        float(p_value), float(q_value), self.mode, f"last {counts.window}",
-                    )  # fmt: skip
-                )
+                alert = RegressionAlert(
+                    c.benchmark, c.group, c.current.step, start, counts.after_score, counts.before_score, counts.n,
+                    float(p_value), float(q_value), self.mode, f"last {counts.window}",
+                )  # fmt: skip
+                alerts.append(alert)
         return alerts
 
     def _per_evaluation(self, compared: list[_Comparison]) -> list[RegressionAlert]:
