@@ -27,6 +27,10 @@ below 100 times the most that any alert of that evaluation could need (elsewhere
 that level, and a p-value above it changes no alert, Holm's included); the test checks this too.
 
     python benchmarks/bench_alert_false_alarms.py --runs 1000 --json benchmarks/results/alert_false_alarms.json
+
+On a busy machine a run can be stopped and started again with ``--reuse`` naming what the first printed (its
+JSON lines) or wrote: each configuration has its own seeded generator, so the figures already measured are the
+ones a run from the start would give, and the JSON names them under ``reused``.
 """
 
 from __future__ import annotations
@@ -253,9 +257,35 @@ def coverage(histories: int, pairs: int, bootstrap: int, seed: int) -> dict:
     return {"histories": histories, "pairs": pairs, "acquired": acquired, "inside": inside, "rate": inside / max(acquired, 1)}
 
 
+def reusable(paths: list[str]) -> dict:
+    """Figures an earlier run with the same code and seed printed (its JSON lines) or wrote (its --json file), by
+    what they measure: each configuration has its own seeded generator, so a figure does not depend on the others."""
+    found = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        try:
+            whole = json.loads(text)
+            rows = [*whole.get("false_alarms", []), *whole.get("detection", []), whole.get("coverage")]
+        except json.JSONDecodeError:  # printed lines (a run stopped before the end)
+            rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        for row in filter(None, rows):
+            found[_key(row)] = row
+    return found
+
+
+def _key(row: dict) -> tuple:
+    if "fall" in row:
+        return ("detection", row["fall"], row["noise"], row["at"], row["pooled"]["at_the_fall"]["of"])
+    if "histories" in row:
+        return ("coverage", row["histories"], row["pairs"])
+    return ("false_alarms", row["noise"], row["evaluations"], row["pooled"]["runs_with_an_alert"]["of"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1000, help="null runs of each length and noise model")
+    parser.add_argument("--runs-late", type=int, default=1000, help="null runs of 500 evaluations or more")
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 100, 500])
     parser.add_argument("--detection-runs", type=int, default=1000, help="runs of each fall (fewer for a fall at 500)")
     parser.add_argument("--detection-runs-late", type=int, default=300, help="runs of each fall at the 500th evaluation")
@@ -266,7 +296,11 @@ def main() -> None:
     parser.add_argument("--data", help="the benchmark file (its phenomena and their sizes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--reuse", nargs="+", default=[], help="take the figures of the same configuration from these earlier outputs"
+    )
     args = parser.parse_args()
+    earlier = reusable(args.reuse)
     groups, index, names = membership(phenomenon_of_each_pair(args.data))
     start = time.perf_counter()
     figures = {
@@ -282,18 +316,53 @@ def main() -> None:
         },
         "false_alarms": [],
         "detection": [],
+        "reused": [],
     }
+
+    def measured(key, compute, *arguments):
+        if key in earlier:
+            figures["reused"].append(list(key))
+            return earlier[key]
+        row = compute(*arguments)
+        print(json.dumps(row), flush=True)
+        return row
+
     for noise in NOISE_MODELS:
         for length in args.lengths:
-            figures["false_alarms"].append(false_alarms(groups, index, args.runs, length, noise, args.seed, args.chunk))
-            print(json.dumps(figures["false_alarms"][-1]), flush=True)
+            runs = args.runs_late if length >= 500 else args.runs
+            row = measured(
+                ("false_alarms", noise, length, runs),
+                false_alarms,
+                groups,
+                index,
+                runs,
+                length,
+                noise,
+                args.seed,
+                args.chunk,
+            )
+            figures["false_alarms"].append(row)
     for noise in ("redraw_all", "redraw_fifth"):
         for what in ("0.5", "0.7", "overall -5"):
             for at in args.lengths:
                 runs = args.detection_runs_late if at >= 500 else args.detection_runs
-                figures["detection"].append(detection(groups, index, names, runs, at, what, noise, args.seed, args.chunk))
-                print(json.dumps(figures["detection"][-1]), flush=True)
-    figures["coverage"] = coverage(args.histories, args.pairs, args.bootstrap, args.seed)
+                row = measured(
+                    ("detection", what, noise, at, runs),
+                    detection,
+                    groups,
+                    index,
+                    names,
+                    runs,
+                    at,
+                    what,
+                    noise,
+                    args.seed,
+                    args.chunk,
+                )
+                figures["detection"].append(row)
+    figures["coverage"] = measured(
+        ("coverage", args.histories, args.pairs), coverage, args.histories, args.pairs, args.bootstrap, args.seed
+    )
     figures["seconds"] = time.perf_counter() - start
     figures["load_after"] = os.getloadavg()[0]
     if args.json:
