@@ -1,6 +1,7 @@
 """How often the regression alerts fire on runs that do not regress, how fast they find a real fall, and how often
 the fitted acquisition intervals hold the true midpoint: all by simulation, with the defaults (alert_q 0.05, a
-5-point drop; 200 bootstrap draws), for both alert modes (per_run, the default, and per_evaluation).
+5-point drop; 200 bootstrap draws), for the three alert modes (pooled, the default; per_run, the default before
+it; per_evaluation).
 
 Runs have TatBLiMP's shape (its 16 phenomena with their real pair counts, 1,248 pairs, and the overall score).
 Every pair has its own pass probability, drawn once from a Beta around 0.7, and a noise model says how the
@@ -18,11 +19,18 @@ Detection: a phenomenon of 80 pairs at 0.90 (pass probabilities from Beta(9, 1))
 0.70/0.90, and later draws use its pass probabilities scaled alike), or every pair's falls so that the overall
 score loses 5 points; the delay is the number of evaluations from the fall to the alert of that group.
 
-The alert arithmetic is the package's own (``results/alert_budget.py``, and the per-evaluation mode's BH), run on
-arrays of many runs at once; ``tests/test_alert_budget.py`` checks this simulation against ``RegressionMonitor``
-on the same outcomes, alert for alert.
+The alert arithmetic is the package's own (``results/alert_budget.py``, ``results/alert_windows.py`` and the
+per-evaluation mode's BH), run on arrays of many runs at once; ``tests/test_alert_budget.py`` checks this
+simulation against ``RegressionMonitor`` on the same outcomes, alert for alert. The pooled windows' exact
+sign-flip p-value is computed where it can matter: where the normal approximation of the window's p-value is
+below 100 times the most that any alert of that evaluation could need (elsewhere the exact p-value is far above
+that level, and a p-value above it changes no alert, Holm's included); the test checks this too.
 
     python benchmarks/bench_alert_false_alarms.py --runs 1000 --json benchmarks/results/alert_false_alarms.json
+
+On a busy machine a run can be stopped and started again with ``--reuse`` naming what the first printed (its
+JSON lines) or wrote: each configuration has its own seeded generator, so the figures already measured are the
+ones a run from the start would give, and the JSON names them under ``reused``.
 """
 
 from __future__ import annotations
@@ -34,17 +42,20 @@ import os
 import platform
 import time
 
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: small products, cores shared with others
+
 import numpy as np
-from scipy.stats import binom, false_discovery_control
+from scipy.stats import binom, false_discovery_control, norm
 
 from tatblimp_callback.reading.data import load_benchmark
-from tatblimp_callback.results import alert_budget
+from tatblimp_callback.results import alert_budget, alert_windows
 from tatblimp_callback.results.learning import _curve, fit_acquisition
 from tatblimp_callback.results.regressions import DEFAULT_ALERT_Q, DEFAULT_MIN_DROP
 from tatblimp_callback.results.stats import encode_outcomes, wilson_interval
 
 NOISE_MODELS = ("redraw_all", "redraw_fifth", "drift")
-MODES = ("per_run", "per_evaluation")
+MODES = ("pooled", "per_run", "per_evaluation")
+SCREEN = 100  # the margin of the normal approximation's screen (see the module's docstring)
 
 
 def phenomenon_of_each_pair(data: str | None) -> tuple[str, ...]:
@@ -65,37 +76,67 @@ def membership(phenomena) -> tuple[np.ndarray, np.ndarray, list[str]]:
 
 
 class Monitors:
-    """Both modes' monitors over ``runs`` runs at once, fed one evaluation (runs x pairs booleans) at a time;
-    the same rules as ``RegressionMonitor`` for outcomes that are all finite."""
+    """The modes' monitors over ``runs`` runs at once, fed one evaluation (runs x pairs booleans) at a time; the
+    same rules as ``RegressionMonitor`` for outcomes that are all finite."""
 
     def __init__(self, groups: np.ndarray, runs: int, alpha=DEFAULT_ALERT_Q, min_drop=DEFAULT_MIN_DROP):
         self.groups, self.alpha, self.min_drop = groups, alpha, min_drop
+        self.matrix = groups.astype(np.float32)  # float sums of 0/1 and small integers: exact, and on BLAS
         self.sizes = groups.sum(0)
         self.phenomenon = groups[:, 1:].argmax(1)
         self.evaluations = 0
         self.best_score = np.full((runs, groups.shape[1]), -1.0)
-        self.best_phenomena = self.best_overall = self.previous = None  # outcomes of each group's best; the previous
+        self.best_phenomena = self.best_overall = None  # outcomes of each group's best
+        self.recent: list[np.ndarray] = []  # the last evaluations, oldest first
         self.fallen = {mode: np.zeros((runs, groups.shape[1]), bool) for mode in MODES}
 
+    def _sum(self, values: np.ndarray) -> np.ndarray:
+        return np.rint(values.astype(np.float32) @ self.matrix).astype(np.int64)
+
     def _counts(self, reference_phenomena, reference_overall, passed):
-        b = (reference_phenomena & ~passed).astype(np.int32) @ self.groups
-        c = (~reference_phenomena & passed).astype(np.int32) @ self.groups
+        b, c = self._sum(reference_phenomena & ~passed), self._sum(~reference_phenomena & passed)
         b[:, 0] = (reference_overall & ~passed).sum(1)
         c[:, 0] = (~reference_overall & passed).sum(1)
         return b, c
+
+    def _window_p_values(self, w: int, level: float) -> np.ndarray:
+        """Window w's exact p-values (1.0 without the minimum drop, or where the normal screen puts it far above
+        ``level``, the most an alert can need)."""
+        shape = self.best_score.shape
+        if len(self.recent) < 2 * w:
+            return np.ones(shape)
+        d = sum(e.astype(np.int8) for e in self.recent[-2 * w : -w]) - sum(e.astype(np.int8) for e in self.recent[-w:])
+        statistic = self._sum(d)
+        magnitudes = [self._sum(np.abs(d) == m) for m in range(1, w + 1)]
+        squares = sum(m * m * count for m, count in enumerate(magnitudes, 1))
+        z = statistic / np.sqrt(np.maximum(squares, 1))
+        wanted = (statistic >= self.min_drop * w * self.sizes) & (norm.sf(z) <= SCREEN * level)
+        p = np.ones(shape)
+        for r, g in zip(*np.nonzero(wanted)):
+            p[r, g] = alert_windows.sign_flip_p_value(tuple(int(m[r, g]) for m in magnitudes), int(statistic[r, g]))
+        return p
 
     def observe(self, passed: np.ndarray) -> dict[str, np.ndarray]:
         """The alerts of this evaluation (runs x groups booleans) of each mode."""
         earlier, self.evaluations = self.evaluations, self.evaluations + 1
         alerts = {mode: np.zeros(self.best_score.shape, bool) for mode in MODES}
+        self.recent = [*self.recent[-5:], passed]
         if earlier:
             b, c = self._counts(self.best_phenomena, self.best_overall, passed)
             drop = (b - c) / self.sizes
             p_best = np.where(drop >= self.min_drop, alert_budget.fall_p_value(b, c), 1.0)
-            bp, cp = self._counts(self.previous, self.previous, passed)
+            previous = self.recent[-2]
+            bp, cp = self._counts(previous, previous, passed)
             p_previous = np.where((bp - cp) / self.sizes >= self.min_drop, alert_budget.fall_p_value(bp, cp), 1.0)
             q = alert_budget.run_q_values(alert_budget.group_p_value(p_previous, p_best, earlier), earlier)
             alerts["per_run"] = q <= self.alpha
+            level = self.alpha * alert_budget.look_share(earlier)
+            windows = [p_previous] + [
+                self._window_p_values(w, weight * level)
+                for w, weight in zip(alert_windows.WINDOWS[1:], alert_budget.WINDOW_WEIGHTS[1:])
+            ]
+            pooled = alert_budget.pooled_group_p_value(windows, p_best, earlier)
+            alerts["pooled"] = alert_budget.run_q_values(pooled, earlier) <= self.alpha
             two_sided = np.where(b == c, 1.0, np.minimum(1.0, 2 * binom.cdf(np.minimum(b, c), b + c, 0.5)))
             q_bh = false_discovery_control(np.minimum(1.0, two_sided * earlier), axis=-1, method="bh")
             alerts["per_evaluation"] = (q_bh < self.alpha) & (drop >= self.min_drop)
@@ -103,7 +144,7 @@ class Monitors:
                 fallen = self.fallen[mode]
                 alerts[mode] &= ~fallen
                 self.fallen[mode] = np.where(fallen, drop >= self.min_drop / 2, alerts[mode])
-        score = (passed.astype(np.int32) @ self.groups) / self.sizes
+        score = self._sum(passed) / self.sizes
         better = score > self.best_score
         self.best_score = np.where(better, score, self.best_score)
         if self.best_phenomena is None:
@@ -111,7 +152,6 @@ class Monitors:
         else:
             self.best_phenomena = np.where(better[:, 1:][:, self.phenomenon], passed, self.best_phenomena)
             self.best_overall = np.where(better[:, :1], passed, self.best_overall)
-        self.previous = passed
         return alerts
 
 
@@ -217,9 +257,35 @@ def coverage(histories: int, pairs: int, bootstrap: int, seed: int) -> dict:
     return {"histories": histories, "pairs": pairs, "acquired": acquired, "inside": inside, "rate": inside / max(acquired, 1)}
 
 
+def reusable(paths: list[str]) -> dict:
+    """Figures an earlier run with the same code and seed printed (its JSON lines) or wrote (its --json file), by
+    what they measure: each configuration has its own seeded generator, so a figure does not depend on the others."""
+    found = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        try:
+            whole = json.loads(text)
+            rows = [*whole.get("false_alarms", []), *whole.get("detection", []), whole.get("coverage")]
+        except json.JSONDecodeError:  # printed lines (a run stopped before the end)
+            rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        for row in filter(None, rows):
+            found[_key(row)] = row
+    return found
+
+
+def _key(row: dict) -> tuple:
+    if "fall" in row:
+        return ("detection", row["fall"], row["noise"], row["at"], row["pooled"]["at_the_fall"]["of"])
+    if "histories" in row:
+        return ("coverage", row["histories"], row["pairs"])
+    return ("false_alarms", row["noise"], row["evaluations"], row["pooled"]["runs_with_an_alert"]["of"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1000, help="null runs of each length and noise model")
+    parser.add_argument("--runs-late", type=int, default=1000, help="null runs of 500 evaluations or more")
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 100, 500])
     parser.add_argument("--detection-runs", type=int, default=1000, help="runs of each fall (fewer for a fall at 500)")
     parser.add_argument("--detection-runs-late", type=int, default=300, help="runs of each fall at the 500th evaluation")
@@ -230,28 +296,73 @@ def main() -> None:
     parser.add_argument("--data", help="the benchmark file (its phenomena and their sizes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--reuse", nargs="+", default=[], help="take the figures of the same configuration from these earlier outputs"
+    )
     args = parser.parse_args()
+    earlier = reusable(args.reuse)
     groups, index, names = membership(phenomenon_of_each_pair(args.data))
     start = time.perf_counter()
     figures = {
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
         "date": datetime.date.today().isoformat(),
         "load_before": os.getloadavg()[0],
-        "settings": {"alert_q": DEFAULT_ALERT_Q, "min_drop": DEFAULT_MIN_DROP, "seed": args.seed},
+        "settings": {
+            "alert_q": DEFAULT_ALERT_Q,
+            "min_drop": DEFAULT_MIN_DROP,
+            "seed": args.seed,
+            "pooled_window_weights": list(alert_budget.WINDOW_WEIGHTS),
+            "pooled_best_weight": alert_budget.BEST_WEIGHT,
+        },
         "false_alarms": [],
         "detection": [],
+        "reused": [],
     }
+
+    def measured(key, compute, *arguments):
+        if key in earlier:
+            figures["reused"].append(list(key))
+            return earlier[key]
+        row = compute(*arguments)
+        print(json.dumps(row), flush=True)
+        return row
+
     for noise in NOISE_MODELS:
         for length in args.lengths:
-            figures["false_alarms"].append(false_alarms(groups, index, args.runs, length, noise, args.seed, args.chunk))
-            print(json.dumps(figures["false_alarms"][-1]), flush=True)
+            runs = args.runs_late if length >= 500 else args.runs
+            row = measured(
+                ("false_alarms", noise, length, runs),
+                false_alarms,
+                groups,
+                index,
+                runs,
+                length,
+                noise,
+                args.seed,
+                args.chunk,
+            )
+            figures["false_alarms"].append(row)
     for noise in ("redraw_all", "redraw_fifth"):
         for what in ("0.5", "0.7", "overall -5"):
             for at in args.lengths:
                 runs = args.detection_runs_late if at >= 500 else args.detection_runs
-                figures["detection"].append(detection(groups, index, names, runs, at, what, noise, args.seed, args.chunk))
-                print(json.dumps(figures["detection"][-1]), flush=True)
-    figures["coverage"] = coverage(args.histories, args.pairs, args.bootstrap, args.seed)
+                row = measured(
+                    ("detection", what, noise, at, runs),
+                    detection,
+                    groups,
+                    index,
+                    names,
+                    runs,
+                    at,
+                    what,
+                    noise,
+                    args.seed,
+                    args.chunk,
+                )
+                figures["detection"].append(row)
+    figures["coverage"] = measured(
+        ("coverage", args.histories, args.pairs), coverage, args.histories, args.pairs, args.bootstrap, args.seed
+    )
     figures["seconds"] = time.perf_counter() - start
     figures["load_after"] = os.getloadavg()[0]
     if args.json:

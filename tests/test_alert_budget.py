@@ -82,11 +82,30 @@ def test_the_benchmark_simulation_raises_the_monitors_alerts_alert_for_alert():
     assert len(expected["per_run"]) < len(expected["per_evaluation"])
 
 
-def test_runs_that_never_regress_rarely_alert_per_run_and_often_per_evaluation():
+def test_runs_that_never_regress_rarely_alert_pooled_or_per_run_and_often_per_evaluation():
     """200 simulated runs of 60 evaluations on TatBLiMP's shape, every pair redrawn at each evaluation (the
     benchmark's harshest null): at most alert_q of them alert per run (4 here); the per-evaluation rule almost half (92)."""
     bench = _bench()
     groups, index, _ = bench.membership(tuple(f"p{i // 78}" for i in range(1248)))
     figures = bench.false_alarms(groups, index, 200, 60, "redraw_all", seed=0, chunk=200)
-    assert figures["per_run"]["runs_with_an_alert"]["count"] <= 10  # 5% of 200
+    assert figures["pooled"]["runs_with_an_alert"]["count"] <= 10  # 5% of 200
+    assert figures["per_run"]["runs_with_an_alert"]["count"] <= 10
     assert figures["per_evaluation"]["runs_with_an_alert"]["count"] >= 40
+
+
+def test_the_sign_flip_p_value_is_exact_by_enumeration_and_mcnemar_with_one_evaluation():
+    import itertools
+
+    from tatblimp_callback.results.alert_windows import sign_flip_p_value
+
+    for magnitudes in ((3, 2, 1), (0, 4, 2), (5,), (2, 3), (1, 1, 1), (0, 0, 3)):
+        values = [m for m, count in enumerate(magnitudes, 1) for _ in range(count)]
+        sums = [sum(s * v for s, v in zip(signs, values)) for signs in itertools.product((1, -1), repeat=len(values))]
+        for s in sorted(set(sums)):  # the sums that can occur
+            assert sign_flip_p_value(magnitudes, s) == pytest.approx(np.mean([x >= s for x in sums]), abs=1e-12)
+    assert sign_flip_p_value((0, 0, 0), 0) == 1.0
+    assert sign_flip_p_value((23,), 20 - 3) == pytest.approx(alert_budget.fall_p_value(20, 3))
+    # the pooled group p-value: the smallest of each window's p over its weight and the best's times earlier over 0.1
+    assert alert_budget.pooled_group_p_value([1.0, 1e-4, 1.0], 1e-5, 30) == pytest.approx(1e-4 / 0.1)
+    assert alert_budget.pooled_group_p_value([1e-4, 1.0, 1e-4], 1.0, 30) == pytest.approx(1e-4 / 0.45)
+    assert sum(alert_budget.WINDOW_WEIGHTS) + alert_budget.BEST_WEIGHT == pytest.approx(1.0)

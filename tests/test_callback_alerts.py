@@ -114,7 +114,7 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
     best = 20 if alert["reference"] == "previous" else best
     assert (alert["benchmark"], alert["group"], alert["best_step"]) == ("tatblimp", "target", best)
     assert alert["best_score"] == score[best] and alert["score"] == score[24] and alert["q_value"] < 1e-2, alert
-    assert alert["mode"] == "per_run"  # the default: a false-alarm budget for the whole run
+    assert alert["mode"] == "pooled"  # the default: a false-alarm budget for the whole run
     # The report's replay of the history file gives the alerts the callback raised, to the last digit.
     assert replay_alerts(history) == recorded_alerts(history) == [RegressionAlert.from_dict(alert)]
     # The warning line names the phenomenon, both steps, both scores and q.
@@ -223,6 +223,40 @@ def test_a_resumed_run_goes_on_with_its_sequence_and_an_unreadable_record_is_sai
     assert restarted.observe(100, {"tatblimp": fallen})[1].q_value < expected.q_value / 2
 
 
+def _rotating_record(step: int) -> dict:
+    """a's first 30 of 40 pairs pass up to step 2; from step 3 on a different ten of them fail at each evaluation."""
+    a = ["1"] * 30 + ["0"] * 10
+    if step >= 3:
+        a[10 * ((step - 3) % 3) : 10 * ((step - 3) % 3) + 10] = ["0"] * 10
+    text = "".join(a) + "1" * 30 + "0" * 10
+    share = text.count("1") / 80
+    outcomes = {"acc": text, "acc_norm": text, "phenomenon_runs": [["a", 40], ["b", 40]]}
+    return {"step": step, "acc": share, "acc_norm": share, "outcomes": outcomes}
+
+
+def test_a_resumed_run_pools_the_evaluations_before_its_checkpoint_with_those_after(tmp_path):
+    """The pooled windows reach back over a resume: resumed after step 3, the run alerts at step 4 on the last 2
+    evaluations (3, restored, and 4) against steps 1 and 2 (restored), as the run without a break and the replay of
+    its records do; a monitor that started afresh at the resume would not."""
+    from tatblimp_callback.results.regressions import RegressionMonitor
+    from tatblimp_callback.results.stats import Outcomes
+    from tatblimp_callback.training.alerts import RegressionAlerts
+
+    records = [_rotating_record(step) for step in range(6)]
+    path = tmp_path / "tatblimp_history.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:4]), encoding="utf-8")
+    resumed = RegressionAlerts(True, 0.05, 0.05, "tatblimp", restored=[{"step": s, "tatblimp/acc": 0.6} for s in range(4)])
+    resumed.restore(path)
+    after = [a for r in records[4:] for a in resumed.monitor.observe(r["step"], {"tatblimp": Outcomes.from_record(r)})]
+    whole = replay_alerts(records)
+    assert after == whole and [(a.step, a.group, a.reference, a.best_step) for a in whole] == [
+        (4, "overall", "last 2", 1),
+        (4, "a", "last 2", 1),
+    ]
+    afresh = RegressionMonitor()
+    assert [a for r in records[4:] for a in afresh.observe(r["step"], {"tatblimp": Outcomes.from_record(r)})] == []
+
+
 def _count_on(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -249,7 +283,8 @@ def test_every_process_logs_the_main_processs_alert_count(tmp_path):
 def test_the_alert_mode_reaches_the_monitor_and_an_unknown_one_is_refused_when_the_callback_is_built():
     from tatblimp_callback import TatBLiMPCallback
 
-    assert TatBLiMPCallback()._monitor.alerts.monitor.mode == "per_run"
-    assert TatBLiMPCallback(alert_mode="per_evaluation")._monitor.alerts.monitor.mode == "per_evaluation"
-    with pytest.raises(ValueError, match="alert mode must be one of 'per_run', 'per_evaluation', got 'per-run'"):
+    assert TatBLiMPCallback()._monitor.alerts.monitor.mode == "pooled"
+    for mode in ("per_run", "per_evaluation"):
+        assert TatBLiMPCallback(alert_mode=mode)._monitor.alerts.monitor.mode == mode
+    with pytest.raises(ValueError, match="alert mode must be one of 'pooled', 'per_run', 'per_evaluation', got 'per-run'"):
         TatBLiMPCallback(alert_mode="per-run")

@@ -67,7 +67,7 @@ def test_other_pairs_or_a_new_suite_start_afresh_and_bad_options_are_refused():
         RegressionMonitor(alpha=0)
     with pytest.raises(ValueError, match="minimum drop"):
         RegressionMonitor(min_drop=1.5)
-    with pytest.raises(ValueError, match="alert mode must be one of 'per_run', 'per_evaluation'"):
+    with pytest.raises(ValueError, match="alert mode must be one of 'pooled', 'per_run', 'per_evaluation'"):
         RegressionMonitor(mode="per-run")
 
 
@@ -102,7 +102,7 @@ def test_replay_over_records_and_recorded_alerts_round_trip():
     for r in records:
         r["acc"] = r["acc_norm"] = r["outcomes"]["acc"].count("1") / 80
     alerts = replay_alerts(records)
-    assert [(a.key, a.step, a.mode) for a in alerts] == [("tatblimp/overall", 1, "per_run"), ("tatblimp/a", 1, "per_run")]
+    assert [(a.key, a.step, a.mode) for a in alerts] == [("tatblimp/overall", 1, "pooled"), ("tatblimp/a", 1, "pooled")]
     assert recorded_alerts(records) is None
     records[1]["alerts"] = [alert.to_dict() for alert in alerts]
     assert recorded_alerts(records) == alerts
@@ -113,10 +113,10 @@ def test_replay_over_records_and_recorded_alerts_round_trip():
 
 
 def test_per_run_a_fall_alerts_with_the_run_wide_q_computed_by_hand():
-    """The q of the default mode, from scipy and the formula of the share, not from the module: the one-sided exact
+    """The q of the per-run mode, from scipy and the formula of the share, not from the module: the one-sided exact
     binomial of 18 pairs only the reference passes, the better of the previous (x2) and best (x2 earlier x2)
     references, Holm over the three groups, divided by the share of the 2nd comparison."""
-    monitor = RegressionMonitor()
+    monitor = RegressionMonitor(mode="per_run")
     monitor.observe(0, {"tatblimp": outcomes(30)})
     monitor.observe(100, {"tatblimp": outcomes(38)})
     alerts = monitor.observe(200, {"tatblimp": outcomes(20)})
@@ -153,7 +153,7 @@ def _nan_part(passed: int | None) -> str:
     return "-" * 40 if passed is None else "1" * passed + "0" * (40 - passed)
 
 
-@pytest.mark.parametrize("mode", ["per_run", "per_evaluation"])
+@pytest.mark.parametrize("mode", ["pooled", "per_run", "per_evaluation"])
 def test_an_evaluation_without_finite_pairs_is_no_recovery_so_one_fall_alerts_once(mode):
     """#39: a falls 0.95 -> 0.50 at step 200, is all NaN at 300, still 0.50 at 400: one alert for a, one for
     overall (compared at 300 on b's pairs only, which is no recovery either)."""
@@ -165,7 +165,7 @@ def test_an_evaluation_without_finite_pairs_is_no_recovery_so_one_fall_alerts_on
     assert seen == [(200, "overall"), (200, "a")]
 
 
-@pytest.mark.parametrize("mode", ["per_run", "per_evaluation"])
+@pytest.mark.parametrize("mode", ["pooled", "per_run", "per_evaluation"])
 def test_a_best_on_a_few_finite_pairs_does_not_hide_a_later_fall(mode):
     """#39's suspicion, real: a at 36/40, then 2 finite pairs passing (1.0), then 20/40: compared with those 2 pairs
     the fall was never significant; now the few-pair score does not become the best, and the fall alerts."""
@@ -194,7 +194,7 @@ def test_replay_keeps_a_step_scored_twice_once():
             "outcomes": {"acc": o.acc, "acc_norm": o.acc_norm, "phenomenon_runs": runs},
         }
 
-    for mode in ("per_run", "per_evaluation"):
+    for mode in ("pooled", "per_run", "per_evaluation"):
         once = replay_alerts([record(0, 38), record(1, 38), record(2, 25)], mode=mode)
         twice = replay_alerts([record(0, 38), record(1, 36), record(1, 38), record(2, 25)], mode=mode)
         assert once and twice == once
@@ -202,3 +202,85 @@ def test_replay_keeps_a_step_scored_twice_once():
     (_, a) = once
     p = binomtest(0, 13, 0.5).pvalue
     assert a.q_value == pytest.approx(false_discovery_control([2 * p, 2 * p, 1.0], method="bh")[1])
+
+
+def _rotating(step: int) -> Outcomes:
+    """a's first 30 pairs pass at steps 0, 1, 2; from step 3 on, a different ten of them fail at each evaluation
+    (0-9, then 10-19, then 20-29): each evaluation alone loses 10 of 30 against the one before, and regains the 10
+    the one before lost; b stays at 30 of 40."""
+    a = ["1"] * 30 + ["0"] * 10
+    if step >= 3:
+        start = 10 * ((step - 3) % 3)
+        a[start : start + 10] = ["0"] * 10
+    text = "".join(a) + "1" * 30 + "0" * 10
+    return Outcomes(text, text, PHENOMENA)
+
+
+def test_pooled_a_fall_spread_over_evaluations_alerts_on_two_pooled_evaluations_with_q_by_hand():
+    """At step 4 the last 2 evaluations (3, 4) against the 2 before (1, 2): each of a's pairs 0-19 passes 2 of 2
+    before and 1 of 2 after (d = 1), the others the same, so S = 20 with 20 pairs that differ: p = 2^-20 (the exact
+    sign-flip test, here the sign test), weighted 0.1 (the 2-evaluation window), Holm over overall (the same 20
+    pairs), a and b, divided by the share of the 4th comparison. Against the previous evaluation it lost 10 and
+    regained 10, against the best 10 of 40: the per-run mode never alerts."""
+    pooled, per_run = RegressionMonitor(), RegressionMonitor(mode="per_run")
+    seen = {"pooled": [], "per_run": []}
+    for step in range(8):
+        for name, monitor in (("pooled", pooled), ("per_run", per_run)):
+            seen[name] += monitor.observe(step, {"t": _rotating(step)})
+    assert seen["per_run"] == []
+    assert [(a.step, a.key, a.reference, a.best_step, a.n) for a in seen["pooled"]] == [
+        (4, "t/overall", "last 2", 1, 80),
+        (4, "t/a", "last 2", 1, 40),
+    ]  # once: a stays down
+    a = seen["pooled"][1]
+    p = binomtest(20, 20, 0.5, alternative="greater").pvalue
+    share = 1 / (0.42515696619253746 * 14 * math.log(14) ** 2)
+    assert a.p_value == pytest.approx(p) and a.q_value == pytest.approx(3 * (p / 0.1) / share)
+    assert (a.best_score, a.score) == (0.75, 0.5)  # pooled over steps 1-2 and 3-4 on a's 40 pairs
+    assert "fell from 0.7500 over the 2 evaluations from step 1 to 0.5000 over the 2 up to step 4" in a.text
+    assert "exact sign-flip test on 40 pairs" in a.text
+
+
+def _tatblimp_like_history(rng, evaluations: int, fall_at: int | None = None, to: float = 0.7) -> list[dict]:
+    """Records of a run on a TatBLiMP-like benchmark (15 phenomena of 78 pairs and one of 80, pass chances around
+    0.7, the 80 pairs' around 0.9), every pair drawn again at each evaluation; from ``fall_at`` on, the 80 pairs'
+    chances are scaled by to / 0.9 (0.90 -> 0.70 on average)."""
+    names = [f"p{i}" for i in range(15) for _ in range(78)] + ["falls"] * 80
+    runs = [[f"p{i}", 78] for i in range(15)] + [["falls", 80]]
+    chance = np.concatenate([rng.beta(7, 3, 15 * 78), rng.beta(9, 1, 80)])
+    records = []
+    for e in range(evaluations):
+        p = chance.copy()
+        if fall_at is not None and e >= fall_at:
+            p[-80:] *= to / 0.9
+        text = encode_outcomes(bool(v) for v in rng.random(len(names)) < p)
+        share = text.count("1") / len(names)
+        outcomes = {"acc": text, "acc_norm": text, "phenomenon_runs": runs}
+        records.append({"step": 10 * e, "acc": share, "acc_norm": share, "outcomes": outcomes})
+    return records
+
+
+@pytest.mark.slow
+def test_a_replayed_fall_from_090_to_070_is_alerted_within_two_evaluations_pooled_and_rarely_per_run():
+    """Twenty replayed histories of 24 evaluations, the 80 pairs falling 0.90 -> 0.70 at the 21st (step 200): the
+    pooled mode alerts the phenomenon at step 200, 210 or 220 in 17 of 20 (85%; the benchmark: 83.2% at the
+    20th evaluation), never before; the per-run mode in 9 of 20 (benchmark: 37.2%)."""
+    rng = np.random.default_rng(5)
+    within = {"pooled": 0, "per_run": 0}
+    for _ in range(20):
+        records = _tatblimp_like_history(rng, 24, fall_at=20)
+        for mode in within:
+            steps = [a.step for a in replay_alerts(records, mode=mode) if a.group == "falls"]
+            assert all(step >= 200 for step in steps)
+            within[mode] += bool(steps) and steps[0] <= 220
+    assert within == {"pooled": 17, "per_run": 9}
+
+
+@pytest.mark.slow
+def test_a_calm_replayed_history_of_1000_evaluations_is_never_alerted_pooled():
+    """1,000 evaluations of a run that only fluctuates (every pair drawn again each time): no alert in the pooled
+    mode, none per run; the per-evaluation rule alerts at 4 of the evaluations."""
+    records = _tatblimp_like_history(np.random.default_rng(6), 1000)
+    assert replay_alerts(records) == []
+    assert replay_alerts(records, mode="per_run") == []
+    assert len({alert.step for alert in replay_alerts(records, mode="per_evaluation")}) == 4

@@ -38,12 +38,14 @@ def run_alerts(run: Run) -> tuple[list[RegressionAlert], bool]:
 def _alerts_section(sweeps: list[Run]) -> str:
     parts = [
         "<h2>Regression alerts</h2>",
-        '<div class="meta">A phenomenon or overall score significantly below an earlier evaluation (exact McNemar on '
+        '<div class="meta">A phenomenon or overall score significantly below earlier evaluations (exact tests on '
         "the pairs) by at least 5 points of acc_norm, once until it recovers. Replayed and default alerts hold a "
-        "false-alarm rate of 0.05 for the whole run (compared with the previous and the best earlier evaluation, each "
-        "evaluation spending its own share); alerts written in the per_evaluation mode: q &lt; 0.05 at each "
-        "evaluation (Benjamini-Hochberg). The reference is the best earlier evaluation unless marked "
-        "&ldquo;previous&rdquo;.</div>",
+        "false-alarm rate of 0.05 for the whole run (the last 1, 2 and 3 evaluations compared with as many before them, "
+        "and the latest with the best earlier one, each evaluation spending its own share); alerts written in the "
+        "per_evaluation mode: q &lt; 0.05 at each evaluation (Benjamini-Hochberg). The reference is the best earlier "
+        "evaluation unless marked &ldquo;previous&rdquo;, or &ldquo;last 2&rdquo; or &ldquo;last 3&rdquo; (the "
+        "pooled score of the last 2 or 3 evaluations against that of as many before them, from the reference step "
+        "on).</div>",
     ]
     for run in sweeps:
         alerts, recorded = run_alerts(run)
@@ -52,7 +54,7 @@ def _alerts_section(sweeps: list[Run]) -> str:
         rows = [
             f'<tr class="alert" data-step="{a.step}" data-group="{escape(a.key)}"><td>{readable(a.step, axis)}</td>'
             f'<td style="text-align: left">{escape(a.key)}</td>'
-            f"<td>{readable(a.best_step, axis)}{' (previous)' if a.reference == 'previous' else ''}</td><td>{a.best_score:.4f}</td>"
+            f"<td>{readable(a.best_step, axis)}{'' if a.reference == 'best' else f' ({a.reference})'}</td><td>{a.best_score:.4f}</td>"
             f"<td>{a.score:.4f}</td><td>{a.q_value:.2g}</td></tr>"
             for a in alerts
         ]

@@ -1,19 +1,22 @@
 """A run's false-alarm budget for regression alerts: how much of ``alert_q`` each evaluation may spend.
 
-The per-run mode of ``regressions.RegressionMonitor`` (the default) holds the chance that a run which never
-regresses raises any alert at or below ``alert_q``, whatever the number of evaluations, by a union bound:
+The pooled mode of ``regressions.RegressionMonitor`` (the default) and its per-run mode hold the chance that a run
+which never regresses raises any alert at or below ``alert_q``, whatever the number of evaluations, by a union
+bound:
 
 - the j-th comparison of the run (its (j+1)-th evaluation) may spend ``alert_q * look_share(j)``, and the shares
   sum to at most 1 over any number of evaluations (``look_share``), so the number of evaluations need not be
   known in advance;
 - within an evaluation that share is split over the groups compared (overall and each phenomenon, of TatBLiMP
   and of each suite) by Holm's step-down (``holm_adjust``), valid whatever the dependence between the groups;
-- within a group, half of its share goes to the comparison with the previous evaluation and half to the one with
-  the best earlier evaluation, whose p-value is multiplied by the number of earlier evaluations it was chosen
-  from (Bonferroni), which accounts for choosing the best (``group_p_value``).
+- within a group, the share is split over its tests by weights that add up to 1 (weighted Bonferroni). Per run:
+  half to the comparison with the previous evaluation and half to the one with the best earlier evaluation, whose
+  p-value is multiplied by the number of earlier evaluations it was chosen from, which accounts for choosing the
+  best (``group_p_value``). Pooled: ``WINDOW_WEIGHTS`` to the last 1, 2 and 3 evaluations against as many before
+  them (``alert_windows.py``) and ``BEST_WEIGHT`` to the best, chosen alike (``pooled_group_p_value``).
 
-Each comparison is an exact one-sided McNemar test on the pairs only one of the two evaluations passes
-(``fall_p_value``). Everything here takes numpy arrays as well as numbers, so that the false-alarm benchmark
+The comparisons of two evaluations are exact one-sided McNemar tests on the pairs only one of them passes
+(``fall_p_value``); the windows' are exact sign-flip tests. Everything here takes numpy arrays as well as numbers, so that the false-alarm benchmark
 (``benchmarks/bench_alert_false_alarms.py``) runs the same arithmetic over thousands of simulated runs at once.
 """
 
@@ -27,7 +30,10 @@ import math
 # first few evaluations (while a model learns fast, falls are rare) to the tens and hundreds.
 SPENDING_OFFSET = 10
 SPENDING_NORMALISER = 0.42515696619253746
-PREVIOUS_SHARE = 0.5  # of a group's share: the comparison with the previous evaluation; the rest, with the best
+PREVIOUS_SHARE = 0.5  # per_run: of a group's share, the comparison with the previous evaluation; the rest, the best
+# pooled: of a group's share, each window (the last 1, 2, 3 evaluations against the as many before) and the best
+WINDOW_WEIGHTS = (0.45, 0.1, 0.35)
+BEST_WEIGHT = 0.1
 
 
 def look_share(j):
@@ -58,6 +64,19 @@ def group_p_value(p_previous, p_best, earlier):
 
     earlier = np.maximum(np.asarray(earlier), 1)
     p = np.minimum(np.asarray(p_previous) / PREVIOUS_SHARE, np.asarray(p_best) * earlier / (1 - PREVIOUS_SHARE))
+    p = np.minimum(p, 1.0)
+    return float(p) if np.ndim(p) == 0 else p
+
+
+def pooled_group_p_value(window_p_values, p_best, earlier):
+    """The pooled mode's group p-value: the smallest of each window's p-value divided by its weight
+    (``WINDOW_WEIGHTS``, windows 1, 2, 3 in that order) and of ``p_best`` times ``earlier`` divided by
+    ``BEST_WEIGHT`` (weighted Bonferroni: the weights sum to 1); pass 1.0 for a test not made."""
+    import numpy as np
+
+    p = np.asarray(p_best) * np.maximum(np.asarray(earlier), 1) / BEST_WEIGHT
+    for p_window, weight in zip(window_p_values, WINDOW_WEIGHTS, strict=True):
+        p = np.minimum(p, np.asarray(p_window) / weight)
     p = np.minimum(p, 1.0)
     return float(p) if np.ndim(p) == 0 else p
 

@@ -1,25 +1,28 @@
-"""Regressions during training: a phenomenon that scores significantly worse than at an earlier evaluation.
+"""Regressions during training: a phenomenon that scores significantly worse than at earlier evaluations.
 
 After each evaluation, every group (the overall score and each phenomenon, of TatBLiMP and of each suite) is
-compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.py``). Two modes:
+compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.py``). Three modes:
 
-- ``"per_run"`` (the default): the chance that a run which never regresses raises any alert is at most
-  ``alpha``, over the whole run, whatever the number of evaluations and groups (``alert_budget.py``). Each group
-  is compared with the previous evaluation and with the best earlier one (exact one-sided McNemar tests, the
-  best's corrected for being chosen), and each evaluation spends its own share of ``alpha``, split over the groups
-  by Holm's method.
-- ``"per_evaluation"`` (the earlier behaviour): the best earlier evaluation only (exact two-sided McNemar, times
+- ``"pooled"`` (the default): the chance that a run which never regresses raises any alert is at most ``alpha``,
+  over the whole run, whatever the number of evaluations and groups (``alert_budget.py``). Each group's last 1, 2
+  and 3 evaluations are compared with the as many before them (exact sign-flip tests over the pairs,
+  ``alert_windows.py``; one evaluation: McNemar against the previous one), and its current evaluation with the
+  best earlier one (exact one-sided McNemar, corrected for the choice of the best), each test with its weight of
+  the group's share; each evaluation spends its own share of ``alpha``, split over the groups by Holm's method.
+- ``"per_run"`` (the default before pooling): the same budget, with the previous and the best evaluations only.
+- ``"per_evaluation"`` (the earliest behaviour): the best earlier evaluation only (exact two-sided McNemar, times
   the number of earlier evaluations), Benjamini-Hochberg adjusted over the groups of the evaluation, q below
   ``alpha`` at each evaluation: the chances of a false alarm add up over a run.
 
-Either way an alert also needs a fall of at least ``min_drop`` (5 points) on the pairs finite in both. A group does
-not alert again until it recovers, that is until it is back within half of ``min_drop`` of its best score on every
-pair finite there (an evaluation where some of those pairs are not finite neither recovers nor clears anything).
-A score measured on fewer than half as many finite pairs as the best does not become the best, and a best measured
-on fewer than half as many as a later evaluation gives way to it.
+Every test needs a fall of at least ``min_drop`` (5 points) on its pairs (those finite in all the evaluations it
+compares: a window's drop is pooled over its evaluations). A group does not alert again until it recovers, that
+is until it is back within half of ``min_drop`` of its best score on every pair finite there (an evaluation where
+some of those pairs are not finite neither recovers nor clears anything). A score measured on fewer than half as
+many finite pairs as the best does not become the best, and a best measured on fewer than half as many as a
+later evaluation gives way to it.
 
 ``RegressionMonitor`` does this one evaluation at a time (the callback); ``replay_alerts`` runs it over the
-records of a sweep or a history file (the report). ``benchmarks/bench_alert_false_alarms.py`` measures both
+records of a sweep or a history file (the report). ``benchmarks/bench_alert_false_alarms.py`` measures the
 modes (see the long-runs guide).
 """
 
@@ -30,19 +33,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from . import alert_budget
+from . import alert_budget, alert_windows
 from .stats import Outcomes, PairedCounts, bh_adjust, outcome_share, paired_counts
 
 DEFAULT_ALERT_Q = 0.05
 DEFAULT_MIN_DROP = 0.05
-ALERT_MODES = ("per_run", "per_evaluation")
-DEFAULT_ALERT_MODE = "per_run"
+ALERT_MODES = ("pooled", "per_run", "per_evaluation")
+DEFAULT_ALERT_MODE = "pooled"
+_KEPT = 2 * max(alert_windows.WINDOWS) - 1  # earlier evaluations a group's windows need
 
 
 @dataclass(frozen=True)
 class RegressionAlert:
     """One group's significant fall: ``score`` at ``step`` against ``best_score`` at ``best_step`` (acc_norm), the
-    reference evaluation (``reference``: "best", the best earlier one, or "previous", the one before)."""
+    reference (``reference``: "best", the best earlier evaluation; "previous", the one before; "last 2" or "last 3":
+    the pooled score of the last 2 or 3 evaluations, ``score``, against that of the as many before them, from
+    ``best_step`` on, ``best_score``, on the ``n`` pairs finite in all of them)."""
 
     benchmark: str  # "tatblimp" (the log prefix) or a suite's name
     group: str  # "overall" or a phenomenon
@@ -51,8 +57,8 @@ class RegressionAlert:
     score: float
     best_score: float
     n: int  # pairs finite at both steps
-    p_value: float  # exact McNemar: one-sided (per_run), two-sided (per_evaluation)
-    q_value: float  # per_run: run-wide (see alert_budget.run_q_values); per_evaluation: Benjamini-Hochberg
+    p_value: float  # exact one-sided McNemar or sign-flip (pooled, per_run), two-sided McNemar (per_evaluation)
+    q_value: float  # pooled, per_run: run-wide (see alert_budget.run_q_values); per_evaluation: Benjamini-Hochberg
     mode: str = "per_evaluation"  # records written before the per-run mode have neither field
     reference: str = "best"
 
@@ -67,7 +73,14 @@ class RegressionAlert:
 
     @property
     def text(self) -> str:
-        if self.mode == "per_run":
+        if self.reference.startswith("last "):
+            w = self.reference.split()[1]
+            return (
+                f"{self.benchmark} {self.group} acc_norm fell from {self.best_score:.4f} over the {w} evaluations from "
+                f"step {self.best_step} to {self.score:.4f} over the {w} up to step {self.step} (q = {self.q_value:.2g}, "
+                f"exact sign-flip test on {self.n} pairs, within the run's false-alarm budget)"
+            )
+        if self.mode in ("pooled", "per_run"):
             how = f"exact one-sided McNemar on {self.n} pairs, within the run's false-alarm budget"
         else:
             how = f"exact McNemar on {self.n} pairs, Benjamini-Hochberg adjusted"
@@ -108,6 +121,7 @@ class _Comparison:
     previous: _Evaluation | None
     against_previous: PairedCounts | None
     earlier: int  # earlier evaluations with a score, among which the best was chosen
+    recent: list[_Evaluation]  # the group's last evaluations with a score, oldest first, the current one last
 
     @property
     def key(self) -> str:
@@ -127,7 +141,7 @@ class RegressionMonitor:
         min_drop: an alert also needs a fall of at least this much acc_norm (0.05: 5 points) on the pairs finite in
             both evaluations.
         metric: the outcomes compared ("acc_norm" or "acc").
-        mode: "per_run" (default) or "per_evaluation" (see the module's docstring).
+        mode: "pooled" (default), "per_run" or "per_evaluation" (see the module's docstring).
     """
 
     def __init__(
@@ -146,7 +160,7 @@ class RegressionMonitor:
         self.alpha, self.min_drop, self.metric, self.mode = alpha, min_drop, metric, mode
         self.evaluations = 0  # evaluations observed in the run: the per-run budget's count goes on across benchmarks
         self._best: dict[str, _Evaluation] = {}
-        self._previous: dict[str, _Evaluation] = {}
+        self._recent: dict[str, list[_Evaluation]] = {}  # the last evaluations with a score (the last: previous)
         self._fallen: set[str] = set()  # groups alerted and not recovered yet
         self._seen: dict[str, int] = {}  # earlier evaluations of each group with a score
         self._pairs: dict[str, tuple[str, ...]] = {}  # the phenomenon of each pair, by benchmark
@@ -162,7 +176,7 @@ class RegressionMonitor:
             if self._pairs.get(benchmark) != result.phenomena:  # new, or other pairs: start afresh
                 self._pairs[benchmark] = result.phenomena
                 for key in [key for key in self._seen if key.startswith(f"{benchmark}/")]:
-                    self._best.pop(key, None), self._previous.pop(key, None), self._seen.pop(key)
+                    self._best.pop(key, None), self._recent.pop(key, None), self._seen.pop(key)
                     self._fallen.discard(key)
             text = getattr(result, self.metric)
             for group, indices in {"overall": None, **result.groups()}.items():
@@ -170,21 +184,35 @@ class RegressionMonitor:
                 part = text if indices is None else "".join(text[i] for i in indices)
                 passed, finite = outcome_share(part)
                 now = current[key] = _Evaluation(passed / finite if finite else math.nan, step, part, finite)
-                best, previous = self._best.get(key), self._previous.get(key)
+                best, recent = self._best.get(key), self._recent.get(key, [])
+                previous = recent[-1] if recent else None
                 if best is None or not finite:
                     continue
                 against_best = paired_counts(best.outcomes, part)
                 against_previous = paired_counts(previous.outcomes, part) if previous is not None else None
                 if against_best.n:  # no pair finite in both: nothing to compare (neither a fall nor a recovery)
                     compared.append(
-                        _Comparison(benchmark, group, now, best, against_best, previous, against_previous, self._seen[key])
+                        _Comparison(
+                            benchmark,
+                            group,
+                            now,
+                            best,
+                            against_best,
+                            previous,
+                            against_previous,
+                            self._seen[key],
+                            [*recent, now],
+                        )
                     )
-        alerts = self._per_run(compared) if self.mode == "per_run" else self._per_evaluation(compared)
+        if self.mode == "pooled":
+            alerts = self._pooled(compared)
+        else:
+            alerts = self._per_run(compared) if self.mode == "per_run" else self._per_evaluation(compared)
         for key, now in current.items():
             if math.isnan(now.score):
                 continue
             self._seen[key] = self._seen.get(key, 0) + 1
-            self._previous[key] = now
+            self._recent[key] = [*self._recent.get(key, [])[-_KEPT + 1 :], now]
             best = self._best.get(key)
             # A score on fewer than half the best's finite pairs does not become the best (a few pairs can score
             # high by chance and hide later falls); a best on fewer than half of a later evaluation's gives way.
@@ -222,6 +250,40 @@ class RegressionMonitor:
                 continue
             self._fallen.add(c.key)
             alerts.append(self._alert(c, earlier, counts, p_value, float(q_value), reference))
+        return alerts
+
+    def _pooled(self, compared: list[_Comparison]) -> list[RegressionAlert]:
+        p_values, chosen = [], []
+        for c in compared:
+            p_best = alert_budget.fall_p_value(c.against_best.baseline_only, c.against_best.run_only)
+            p_best = p_best if _drop(c.against_best) >= self.min_drop else 1.0
+            tests = [(p_best * max(c.earlier, 1) / alert_budget.BEST_WEIGHT, p_best, None)]
+            for w, weight in zip(alert_windows.WINDOWS, alert_budget.WINDOW_WEIGHTS):
+                counts = alert_windows.window_counts([e.outcomes for e in c.recent], w)
+                if counts is None or not counts.n or counts.drop < self.min_drop:
+                    continue
+                p = alert_windows.sign_flip_p_value(counts.magnitudes, counts.statistic)
+                tests.append((p / weight, p, counts))
+            weighted, p_value, counts = min(tests, key=lambda test: test[0])
+            p_values.append(min(weighted, 1.0))
+            chosen.append((p_value, counts))
+        q_values = alert_budget.run_q_values(p_values, self.evaluations - 1) if compared else []
+        alerts = []
+        for c, (p_value, counts), q_value in zip(compared, chosen, q_values):
+            if self._recovered_or_fallen(c) or not q_value <= self.alpha:
+                continue
+            self._fallen.add(c.key)
+            if counts is None:
+                alerts.append(self._alert(c, c.best, c.against_best, p_value, float(q_value), "best"))
+            elif counts.window == 1:
+                alerts.append(self._alert(c, c.previous, c.against_previous, p_value, float(q_value), "previous"))
+            else:
+                start = c.recent[-2 * counts.window].step
+                alert = RegressionAlert(
+                    c.benchmark, c.group, c.current.step, start, counts.after_score, counts.before_score, counts.n,
+                    float(p_value), float(q_value), self.mode, f"last {counts.window}",
+                )  # fmt: skip
+                alerts.append(alert)
         return alerts
 
     def _per_evaluation(self, compared: list[_Comparison]) -> list[RegressionAlert]:

@@ -159,13 +159,15 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     ``<prefix>/alerts``, ``alerts`` in the history file and ``wandb.run.alert`` where a wandb run is active."""
 
     alert_q: float = 0.05
-    """The false-alarm rate of the alerts. With ``alert_mode="per_run"``: the chance that a run which never regresses
-    raises any alert, over the whole run; with ``"per_evaluation"``: the q-value (Benjamini-Hochberg) an alert needs
-    at each evaluation (see ``regressions.py``)."""
+    """The false-alarm rate of the alerts. With ``alert_mode="pooled"`` or ``"per_run"``: the chance that a run which
+    never regresses raises any alert, over the whole run; with ``"per_evaluation"``: the q-value (Benjamini-Hochberg)
+    an alert needs at each evaluation (see ``regressions.py``)."""
 
-    alert_mode: str = "per_run"
-    """``"per_run"`` (a false-alarm budget for the whole run, however many evaluations) or ``"per_evaluation"`` (the
-    earlier alerts: ``alert_q`` at each evaluation, so the chances add up over a long run); see the long-runs guide."""
+    alert_mode: str = "pooled"
+    """``"pooled"`` (a false-alarm budget for the whole run, however many evaluations; the last 1, 2 and 3
+    evaluations against as many before them, and the best earlier one), ``"per_run"`` (the same budget, the previous
+    and the best evaluations only) or ``"per_evaluation"`` (``alert_q`` at each evaluation, so the chances add up
+    over a long run); see the long-runs guide."""
 
     alert_min_drop: float = 0.05
     """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""

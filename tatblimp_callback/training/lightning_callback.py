@@ -140,8 +140,8 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     alert_min_drop: float = 0.05
     """The fall in acc_norm an alert needs, as ``TatBLiMPCallback.alert_min_drop``."""
 
-    alert_mode: str = "per_run"
-    """``"per_run"`` or ``"per_evaluation"``, as ``TatBLiMPCallback.alert_mode``."""
+    alert_mode: str = "pooled"
+    """``"pooled"``, ``"per_run"`` or ``"per_evaluation"``, as ``TatBLiMPCallback.alert_mode``."""
 
     def __post_init__(self):
         every = self.eval_every_n_steps
