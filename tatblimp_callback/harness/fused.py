@@ -1,0 +1,146 @@
+"""The harness's log-likelihood requests scored in the engine's prefix-tree rows: each request's log-prob and ``is_greedy``.
+
+A request is lm-evaluation-harness's ``(context tokens, continuation tokens)``, already encoded the harness's
+way (``HFLM._encode_pair``, its prefix token for an empty context). Its sequence is the two joined, cut from
+the left to the model's context plus one as ``HFLM`` cuts it; the engine lays the sequences out in rows (sorted
+prefix trees: the choices of one question share the question's positions, each computed once), and the chosen
+scoring method is checked against a plain forward of the model, as for TatBLiMP (``Scorer``).
+
+The head is applied only where a continuation token is predicted (a context's own tokens are never read), one
+tile of contexts at a time over the whole vocabulary: each log-prob is the float32 log-softmax at its target,
+and a request is greedy when every continuation token is its position's argmax, as ``HFLM`` decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.forward import model_output
+from ..engine.model_state import scoring_mode
+from ..engine.packing import Batch
+from ..engine.scoring import Scorer
+from ..engine.tiled_head import plain_head_weight
+from ..tokenized.cache import SentenceCache
+
+Request = tuple[Sequence[int], Sequence[int]]  # (context token ids, continuation token ids)
+
+
+def request_sequences(requests: Sequence[Request], max_length: int) -> tuple[list[list[int]], list[int]]:
+    """Each request's scored sequence (context + continuation, its last ``max_length + 1`` tokens) and continuation length.
+
+    Raises:
+        ValueError: a request with an empty context or continuation, or a continuation longer than ``max_length``.
+    """
+    sequences, continuation_lengths = [], []
+    for k, (context, continuation) in enumerate(requests):
+        if not context or not continuation:
+            raise ValueError(f"harness request {k}: empty {'context' if not context else 'continuation'} tokens")
+        if len(continuation) > max_length:
+            raise ValueError(f"harness request {k}: a continuation of {len(continuation)} tokens, over max_length {max_length}")
+        sequences.append([*context, *continuation][-(max_length + 1) :])
+        continuation_lengths.append(len(continuation))
+    return sequences, continuation_lengths
+
+
+def sequence_cache(sequences: list[list[int]], pad_id: int, device: torch.device, name: str = "lm-eval") -> SentenceCache:
+    """The sequences as a ``SentenceCache`` on ``device`` (no pairs, no text): what the engine lays out and scores."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long)
+    return SentenceCache(
+        token_ids=torch.tensor([t for s in sequences for t in s], dtype=torch.long).to(device),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device),
+        byte_lengths=torch.zeros(len(sequences), dtype=torch.long, device=device),
+        phenomenon_index=empty.to(device),
+        subtype_index=empty.to(device),
+        phenomena=[],
+        subtypes=[],
+        prefix_token_id=pad_id,
+        tokenizer_name=name,
+        fingerprint=name,
+        benchmark_source=name,
+        benchmark_md5="",
+        benchmark_release="",
+    )
+
+
+class RequestScorer:
+    """Scores harness requests with one model: ``(log-prob, is_greedy)`` per request, in request order.
+
+    Args:
+        model: the causal LM (the harness's loaded model, or the training model).
+        memory_budget: bytes of extra memory for activations and head tiles (None: the engine's default).
+        row_length: positions per row (at least the longest sequence).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, row_length: int = 256):
+        self.model = model
+        self.memory_budget = memory_budget
+        self.row_length = row_length
+
+    def score(self, requests: Sequence[Request], pad_id: int, max_length: int) -> list[tuple[float, bool]]:
+        """``(sum of the continuation's token log-probs, every continuation token greedy)`` of each request."""
+        if not requests:
+            return []
+        sequences, continuation_lengths = request_sequences(requests, max_length)
+        device = next(self.model.parameters()).device
+        scorer = Scorer(
+            self.model,
+            sequence_cache(sequences, pad_id, device),
+            memory_budget=self.memory_budget,
+            row_length=self.row_length,
+        )
+        with scoring_mode(self.model):
+            method = scorer.check.when_due()  # the fastest layout whose numbers equal a plain forward
+            logprobs, greedy = self._cells(scorer, method, continuation_lengths)
+        per_request = scorer.cells.per_sentence(logprobs)
+        per_greedy = scorer.cells.per_sentence(greedy)
+        return [
+            (sum(tokens[-n:]), all(g == 1.0 for g in flags[-n:]))
+            for tokens, flags, n in zip(per_request, per_greedy, continuation_lengths, strict=True)
+        ]
+
+    def _cells(self, scorer: Scorer, method, continuation_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every continuation token's log-prob and greedy flag (1.0 or 0.0) in its cell; context cells stay 0 and 1."""
+        cells = scorer.cells
+        logprobs, greedy = cells.empty(), cells.empty() + 1
+        device = scorer.cache.device
+        # A sequence's first continuation slot: the slots before it predict context tokens, which nothing reads.
+        first = torch.tensor([n - 1 - c for n, c in zip(scorer.cache.lengths, continuation_lengths, strict=True)], device=device)
+        weight = plain_head_weight(scorer.lm) if method.head == "tiled" else None
+        for batch in scorer.layout(method.layout).batches:
+            wanted = batch.score_slots >= first[batch.score_sentences]
+            if not wanted.any():
+                continue
+            lp, top = self._read(scorer, batch, method.head, weight, wanted)
+            sentences, slots = batch.score_sentences[wanted], batch.score_slots[wanted]
+            cells.write(logprobs, sentences, slots, lp)
+            cells.write(greedy, sentences, slots, top)
+            del batch, lp, top
+        return logprobs, greedy
+
+    def _read(self, scorer: Scorer, batch: Batch, head: str, weight, wanted: torch.Tensor):
+        """log p(target | context) and whether the target is the argmax, for the batch's wanted tokens."""
+        contexts, targets = batch.score_contexts[wanted], batch.score_targets[wanted]
+        read, inverse = contexts.unique(return_inverse=True)  # only the contexts a continuation token needs
+        positions = batch.score_positions[read]
+        narrowed = Batch(**{**vars(batch), "score_positions": positions})
+        output = model_output(scorer.lm, scorer.lm, narrowed, "tiled" if weight is not None else "full_logits")
+        vocab = weight.shape[0] if weight is not None else output.shape[-1]
+        rows = max(1, scorer.memory_budget // (vocab * 12))  # a tile's logits, their float32 copy and log-softmax
+        bias = scorer.lm.get_output_embeddings().bias if weight is not None else None
+        cap = getattr(scorer.lm.config, "final_logit_softcapping", None)
+        lp = torch.empty(targets.shape, dtype=torch.float32, device=output.device)
+        top = torch.empty(targets.shape, dtype=torch.float32, device=output.device)
+        for start in range(0, read.numel(), rows):
+            part = output[start : start + rows]
+            logits = (F.linear(part, weight, bias) if weight is not None else part).float()
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            mine = (inverse >= start) & (inverse < start + rows)
+            at, wanted_targets = inverse[mine] - start, targets[mine]
+            lp[mine] = logits.log_softmax(-1)[at, wanted_targets]
+            top[mine] = (logits.argmax(-1)[at] == wanted_targets).float()
+        return lp, top
