@@ -18,9 +18,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.cells import Cells
 from ..engine.forward import model_output
+from ..engine.model_checks import tree_mask_dtype, unwrap_model
 from ..engine.model_state import scoring_mode
-from ..engine.packing import Batch
+from ..engine.packing import Batch, TokenSequences, build_layout
 from ..engine.scoring import Scorer
 from ..engine.tiled_head import plain_head_weight
 from ..tokenized.cache import SentenceCache
@@ -86,42 +88,49 @@ class RequestScorer:
             return []
         sequences, continuation_lengths = request_sequences(requests, max_length)
         device = next(self.model.parameters()).device
-        scorer = Scorer(
-            self.model,
-            sequence_cache(sequences, pad_id, device),
-            memory_budget=self.memory_budget,
-            row_length=self.row_length,
-        )
+        cache = sequence_cache(sequences, pad_id, device)
+        # The method is checked on the sequences as the Scorer takes them (within the model's context); a full
+        # rolling window is one token longer, its last token a target only, so the rows are laid out here.
+        context = getattr(unwrap_model(self.model).config, "max_position_embeddings", None) or max_length + 1
+        checked = sequence_cache([s[:context] for s in sequences], pad_id, device)
+        scorer = Scorer(self.model, checked, memory_budget=self.memory_budget, row_length=self.row_length)
         with scoring_mode(self.model):
             method = scorer.check.when_due()  # the fastest layout whose numbers equal a plain forward
-            logprobs, greedy = self._cells(scorer, method, continuation_lengths)
-        per_request = scorer.cells.per_sentence(logprobs)
-        per_greedy = scorer.cells.per_sentence(greedy)
+            layout = build_layout(
+                TokenSequences(cache.token_ids, cache.offsets),
+                method.layout,
+                scorer.row_length,
+                scorer.tokens_per_batch,
+                pad_id=pad_id,
+                device=device,
+                tree_mask_dtype=tree_mask_dtype(scorer.lm) or torch.bool,
+            )
+            cells = Cells(cache)
+            logprobs, greedy = self._cells(scorer, layout, cells, method.head, continuation_lengths)
+        per_request, per_greedy = cells.per_sentence(logprobs), cells.per_sentence(greedy)
         return [
             (sum(tokens[-n:]), all(g == 1.0 for g in flags[-n:]))
             for tokens, flags, n in zip(per_request, per_greedy, continuation_lengths, strict=True)
         ]
 
-    def _cells(self, scorer: Scorer, method, continuation_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cells(self, scorer: Scorer, layout, cells: Cells, head: str, continuation_lengths: list[int]):
         """Every continuation token's log-prob and greedy flag (1.0 or 0.0) in its cell; context cells stay 0 and 1."""
-        cells = scorer.cells
         logprobs, greedy = cells.empty(), cells.empty() + 1
-        device = scorer.cache.device
         # A sequence's first continuation slot: the slots before it predict context tokens, which nothing reads.
-        first = torch.tensor([n - 1 - c for n, c in zip(scorer.cache.lengths, continuation_lengths, strict=True)], device=device)
-        weight = plain_head_weight(scorer.lm) if method.head == "tiled" else None
-        for batch in scorer.layout(method.layout).batches:
+        first = cells.widths - torch.tensor(continuation_lengths, device=cells.device)
+        weight = plain_head_weight(scorer.lm) if head == "tiled" else None
+        for batch in layout.batches:
             wanted = batch.score_slots >= first[batch.score_sentences]
             if not wanted.any():
                 continue
-            lp, top = self._read(scorer, batch, method.head, weight, wanted)
+            lp, top = self._read(scorer, batch, weight, wanted)
             sentences, slots = batch.score_sentences[wanted], batch.score_slots[wanted]
             cells.write(logprobs, sentences, slots, lp)
             cells.write(greedy, sentences, slots, top)
             del batch, lp, top
         return logprobs, greedy
 
-    def _read(self, scorer: Scorer, batch: Batch, head: str, weight, wanted: torch.Tensor):
+    def _read(self, scorer: Scorer, batch: Batch, weight, wanted: torch.Tensor):
         """log p(target | context) and whether the target is the argmax, for the batch's wanted tokens."""
         contexts, targets = batch.score_contexts[wanted], batch.score_targets[wanted]
         read, inverse = contexts.unique(return_inverse=True)  # only the contexts a continuation token needs
