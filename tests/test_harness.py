@@ -16,12 +16,12 @@ import sys
 
 import pytest
 import torch
+
 from conftest import BLIMP, CORPUS, DATA, tiny_llama
 from harness_tasks import write_tasks
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval import simple_evaluate  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_tatblimp_task_strict_ties(tmp_path):
         import utils
     finally:
         sys.path.pop(0)
-    doc = {"good": "аб", "bad": "abc"}  # 4 bytes against 3
+    doc = {"good": "\u04d9\u04e9", "bad": "abc"}  # two Tatar letters, 4 bytes, against 3
     assert utils.process_results(doc, [(-6.0, False), (-6.0, False)]) == {"acc": 0.0, "acc_norm": 1.0}
     assert utils.process_results(doc, [(-8.0, False), (-6.0, False)]) == {"acc": 0.0, "acc_norm": 0.0}
     assert utils.process_results(doc, [(-5.0, False), (-6.0, False)]) == {"acc": 1.0, "acc_norm": 1.0}
@@ -148,7 +148,11 @@ def test_tatblimp_model_is_greedy_like_hf(two_models):
             greedy = hf.model.generate(ids, max_new_tokens=1 + k % 3, do_sample=False, pad_token_id=0)[0, len(context) :]
         greedy = greedy.tolist()
         changed = [*greedy[:-1], (greedy[-1] + 1) % hf.vocab_size]
-        requests += [(("g", str(k)), context, greedy), (("c", str(k)), context, changed), (("p", str(k)), context[:1], context[1:])]
+        requests += [
+            (("g", str(k)), context, greedy),
+            (("c", str(k)), context, changed),
+            (("p", str(k)), context[:1], context[1:]),
+        ]
     theirs, mine = hf._loglikelihood_tokens(requests), ours._loglikelihood_tokens(requests)
     assert [g for _, g in mine] == [g for _, g in theirs]
     assert [g for _, g in theirs][::3] == [True] * 12 and not any([g for _, g in theirs][1::3])

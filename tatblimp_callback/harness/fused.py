@@ -6,9 +6,9 @@ the left to the model's context plus one as ``HFLM`` cuts it; the engine lays th
 prefix trees: the choices of one question share the question's positions, each computed once), and the chosen
 scoring method is checked against a plain forward of the model, as for TatBLiMP (``Scorer``).
 
-The head is applied only where a continuation token is predicted (a context's own tokens are never read), one
-tile of contexts at a time over the whole vocabulary: each log-prob is the float32 log-softmax at its target,
-and a request is greedy when every continuation token is its position's argmax, as ``HFLM`` decides.
+The head is applied only where a continuation token is predicted (a context's own tokens are never read), tile
+by tile (``greedy_head``); a request is greedy when every continuation token is its position's argmax, as
+``HFLM`` decides.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..engine.cells import Cells
 from ..engine.forward import model_output
-from ..engine.model_checks import tree_mask_dtype, unwrap_model
+from ..engine.model_checks import tree_mask_dtype
 from ..engine.model_state import scoring_mode
 from ..engine.packing import Batch, TokenSequences, build_layout
 from ..engine.scoring import Scorer
-from ..engine.tiled_head import plain_head_weight
+from ..engine.tiled_head import head_tile, plain_head_weight
 from ..tokenized.cache import SentenceCache
+from .greedy_head import head_logprobs_and_greedy
+
+CHECK_TOKENS = 64  # tokens of each sequence the scoring method is checked on
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context token ids, continuation token ids)
 
@@ -75,12 +77,15 @@ class RequestScorer:
         model: the causal LM (the harness's loaded model, or the training model).
         memory_budget: bytes of extra memory for activations and head tiles (None: the engine's default).
         row_length: positions per row (at least the longest sequence).
+
+    The scoring method (tree, packed or padded rows; the head) is chosen at the first call, as the engine chooses
+    it for TatBLiMP, and kept for the scorer's life.
     """
 
     def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, row_length: int = 256):
         self.model = model
-        self.memory_budget = memory_budget
-        self.row_length = row_length
+        self._options = {"memory_budget": memory_budget, "row_length": row_length}
+        self.method = None  # chosen at the first call, for this model
 
     def score(self, requests: Sequence[Request], pad_id: int, max_length: int) -> list[tuple[float, bool]]:
         """``(sum of the continuation's token log-probs, every continuation token greedy)`` of each request."""
@@ -89,13 +94,11 @@ class RequestScorer:
         sequences, continuation_lengths = request_sequences(requests, max_length)
         device = next(self.model.parameters()).device
         cache = sequence_cache(sequences, pad_id, device)
-        # The method is checked on the sequences as the Scorer takes them (within the model's context); a full
-        # rolling window is one token longer, its last token a target only, so the rows are laid out here.
-        context = getattr(unwrap_model(self.model).config, "max_position_embeddings", None) or max_length + 1
-        checked = sequence_cache([s[:context] for s in sequences], pad_id, device)
-        scorer = Scorer(self.model, checked, memory_budget=self.memory_budget, row_length=self.row_length)
+        scorer = Scorer(self.model, self._check_cache(sequences, pad_id, device), **self._options)
         with scoring_mode(self.model):
-            method = scorer.check.when_due()  # the fastest layout whose numbers equal a plain forward
+            if self.method is None:  # the fastest layout whose numbers equal a plain forward, chosen once
+                self.method = scorer.check.when_due()
+            method = self.method
             layout = build_layout(
                 TokenSequences(cache.token_ids, cache.offsets),
                 method.layout,
@@ -112,6 +115,17 @@ class RequestScorer:
             (sum(tokens[-n:]), all(g == 1.0 for g in flags[-n:]))
             for tokens, flags, n in zip(per_request, per_greedy, continuation_lengths, strict=True)
         ]
+
+    @staticmethod
+    def _check_cache(sequences: list[list[int]], pad_id: int, device: torch.device) -> SentenceCache:
+        """The sequences as the method check sees them: their first ``CHECK_TOKENS`` tokens, within the context.
+
+        The check compares each layout with a plain forward of the whole model on a sample; whether a model honours
+        the tree mask and the position ids shows on short sequences as well, at a fraction of the cost (a sample of
+        long multiple-choice contexts took 40 of a call's 46 seconds). The rows themselves are laid out for the full
+        sequences in ``score``: a full rolling window is one token longer than the context, its last a target only.
+        """
+        return sequence_cache([s[:CHECK_TOKENS] for s in sequences], pad_id, device)
 
     def _cells(self, scorer: Scorer, layout, cells: Cells, head: str, continuation_lengths: list[int]):
         """Every continuation token's log-prob and greedy flag (1.0 or 0.0) in its cell; context cells stay 0 and 1."""
@@ -131,25 +145,14 @@ class RequestScorer:
         return logprobs, greedy
 
     def _read(self, scorer: Scorer, batch: Batch, weight, wanted: torch.Tensor):
-        """log p(target | context) and whether the target is the argmax, for the batch's wanted tokens."""
+        """log p(target | context) and whether the target is the argmax (1.0 or 0.0), for the batch's wanted tokens."""
         contexts, targets = batch.score_contexts[wanted], batch.score_targets[wanted]
         read, inverse = contexts.unique(return_inverse=True)  # only the contexts a continuation token needs
-        positions = batch.score_positions[read]
-        narrowed = Batch(**{**vars(batch), "score_positions": positions})
+        narrowed = Batch(**{**vars(batch), "score_positions": batch.score_positions[read]})
         output = model_output(scorer.lm, scorer.lm, narrowed, "tiled" if weight is not None else "full_logits")
         vocab = weight.shape[0] if weight is not None else output.shape[-1]
-        rows = max(1, scorer.memory_budget // (vocab * 12))  # a tile's logits, their float32 copy and log-softmax
+        tile = head_tile(output.device, vocab, output.dtype, scorer.memory_budget)
         bias = scorer.lm.get_output_embeddings().bias if weight is not None else None
         cap = getattr(scorer.lm.config, "final_logit_softcapping", None)
-        lp = torch.empty(targets.shape, dtype=torch.float32, device=output.device)
-        top = torch.empty(targets.shape, dtype=torch.float32, device=output.device)
-        for start in range(0, read.numel(), rows):
-            part = output[start : start + rows]
-            logits = (F.linear(part, weight, bias) if weight is not None else part).float()
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-            mine = (inverse >= start) & (inverse < start + rows)
-            at, wanted_targets = inverse[mine] - start, targets[mine]
-            lp[mine] = logits.log_softmax(-1)[at, wanted_targets]
-            top[mine] = (logits.argmax(-1)[at] == wanted_targets).float()
-        return lp, top
+        lp, top = head_logprobs_and_greedy(output, weight, bias, cap, inverse, targets.to(output.device), tile)
+        return lp, top.to(lp.dtype)
