@@ -157,3 +157,49 @@ def test_tatblimp_model_is_greedy_like_hf(two_models):
     assert [g for _, g in mine] == [g for _, g in theirs]
     assert [g for _, g in theirs][::3] == [True] * 12 and not any([g for _, g in theirs][1::3])
     assert [ll for ll, _ in mine] == pytest.approx([ll for ll, _ in theirs], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_trainer_logs_harness_metrics_equal_to_a_harness_run(bpe_tokenizer, local_tasks, tmp_path):
+    """A real Trainer run with ``lm_eval_tasks`` logs ``lm_eval/<task>/<metric>``: at the last step, the numbers
+    ``lm_eval --model hf`` gives for the checkpoint saved there."""
+    from transformers import Trainer, TrainingArguments
+
+    from tatblimp_callback import TatBLiMPCallback
+
+    model = tiny_llama(len(bpe_tokenizer), seed=5)
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()[:64]
+    train = [{"input_ids": ids, "labels": ids} for ids in (bpe_tokenizer(line)["input_ids"][:32] for line in lines)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=4,
+        per_device_train_batch_size=1,
+        learning_rate=5e-3,
+        save_strategy="steps",
+        save_steps=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=bpe_tokenizer)
+    tasks = ["local_mc", "tatblimp_binding"]
+    callback = TatBLiMPCallback.attach(
+        trainer, data=DATA, eval_steps=2, lm_eval_tasks=tasks, lm_eval_include_path=str(local_tasks)
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "lm_eval/local_mc/acc" in entry]
+    assert [entry["step"] for entry in logged] == [0, 2, 4]
+    assert len({entry["lm_eval/local_mc/acc_norm"] for entry in logged} | {0}) >= 2  # numbers, not a constant
+    out = simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={tmp_path / 'run' / 'checkpoint-4'},dtype=float32",
+        tasks=tasks,
+        task_manager=TaskManager(include_path=[str(task_path()), str(local_tasks)], include_defaults=False),
+        device="cpu",
+    )
+    last = logged[-1]
+    for task in tasks:
+        for metric in ("acc", "acc_norm"):
+            assert last[f"lm_eval/{task}/{metric}"] == pytest.approx(out["results"][task][f"{metric},none"], abs=1e-12)
+    assert callback.history[-1]["lm_eval/tatblimp_binding/acc"] == last["lm_eval/tatblimp_binding/acc"]
