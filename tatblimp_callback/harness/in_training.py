@@ -67,10 +67,9 @@ class HarnessTasks:
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:
         """The harness's metrics of every task and group for ``model`` now, as ``lm_eval/<task>/<metric>``."""
         from lm_eval.evaluator import evaluate
-        from lm_eval.tasks import get_task_dict
 
         lm = self._model_for(model)
-        tasks = get_task_dict(self.tasks, self.manager)
+        tasks = self.manager.load(self.tasks)  # built again each time: the harness's evaluate fills them in
         out = evaluate(lm, tasks, limit=self.limit, bootstrap_iters=0, log_samples=False, verbosity="ERROR")
         return flat_metrics(out["results"])
 
