@@ -269,6 +269,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     """``parser.parse_args``, except that an option no parser knows is reported by the subcommand's parser:
     its usage, not the top-level one, and status 2."""
     args, unknown = parser.parse_known_args(argv)
+    if args.command == "lm-eval":  # every argument after it is the harness's, in its order (argparse's REMAINDER
+        # leaves an option that comes first to the unknown ones)
+        given = list(sys.argv[1:] if argv is None else argv)
+        args.harness_args = given[given.index("lm-eval") + 1 :]
+        unknown = []
     if unknown:
         subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")

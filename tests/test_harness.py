@@ -203,3 +203,26 @@ def test_trainer_logs_harness_metrics_equal_to_a_harness_run(bpe_tokenizer, loca
         for metric in ("acc", "acc_norm"):
             assert last[f"lm_eval/{task}/{metric}"] == pytest.approx(out["results"][task][f"{metric},none"], abs=1e-12)
     assert callback.history[-1]["lm_eval/tatblimp_binding/acc"] == last["lm_eval/tatblimp_binding/acc"]
+
+
+def test_lm_eval_path_prints_the_task_folder(capsys):
+    from tatblimp_callback.cli import main
+
+    assert main(["lm-eval-path"]) == 0
+    folder = capsys.readouterr().out.strip()
+    names = sorted(p.name for p in (task_path() / "tatblimp").glob("tatblimp_*.yaml"))
+    assert folder == str(task_path()) and len(names) == 16 and (task_path() / "tatblimp" / "_tatblimp.yaml").exists()
+
+
+@pytest.mark.slow
+def test_tatblimp_lm_eval_runs_the_harness_with_the_model_registered(model_dir, tmp_path):
+    """``tatblimp lm-eval --model tatblimp ...``: the harness's own command line, our model and tasks found."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TATBLIMP_DATA": str(DATA)}
+    command = [sys.executable, "-m", "tatblimp_callback", "lm-eval", "--model", "tatblimp", "--model_args"]
+    command += [f"pretrained={model_dir},dtype=float32", "--tasks", "tatblimp_binding", "--device", "cpu"]
+    subprocess.run([*command, "--output_path", str(out)], check=True, env=env, capture_output=True)
+    written = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert written["config"]["model"] == "tatblimp"
+    assert 0 <= written["results"]["tatblimp_binding"]["acc,none"] <= 1
+    assert written["n-samples"]["tatblimp_binding"]["effective"] == 78
