@@ -10,6 +10,7 @@
     torchrun --nproc-per-node N -m tatblimp_callback score MODEL --tp-plan auto
     tatblimp explain MODEL_DIR --pair N | --phenomenon NAME --worst K     (see explain.py)
     tatblimp report RESULTS... --output report.html [--model MODEL_DIR]   (see report.py)
+    tatblimp lm-eval-path | lm-eval --model tatblimp --tasks tatblimp ...  (see harness/)
 
 A failure exits with status 1 and a one-line message on stderr, not a traceback; a wrong option or a missing
 argument exits with status 2 (argparse's convention), the usage of the subcommand it was given to, and one
@@ -36,6 +37,7 @@ from .commands.loading import add_model_arguments, load_from_args, tokenizer_sou
 from .commands.outputs import check_output_file, say, silence_stdout, write_text
 from .commands.sweep import add_sweep_parser
 from .commands.tokenizers import add_tokenizers_parser
+from .harness.command import add_harness_parsers
 from .reading.suites import add_suite_arguments, suites_from_args
 from .reports.report_command import add_report_parser
 
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_explain_parser(commands)
     add_report_parser(commands)
     add_tokenizers_parser(commands)
+    add_harness_parsers(commands)
     for command in commands.choices.values():  # -v after the command too; SUPPRESS keeps a -v given before it
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser
@@ -266,6 +269,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     """``parser.parse_args``, except that an option no parser knows is reported by the subcommand's parser:
     its usage, not the top-level one, and status 2."""
     args, unknown = parser.parse_known_args(argv)
+    if args.command == "lm-eval":  # every argument after it is the harness's, in its order (argparse's REMAINDER
+        # leaves an option that comes first to the unknown ones)
+        given = list(sys.argv[1:] if argv is None else argv)
+        args.harness_args = given[given.index("lm-eval") + 1 :]
+        unknown = []
     if unknown:
         subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -14,6 +14,7 @@ SHARED = Path(os.environ.get("TATBLIMP_SHARED", REPO.parent / "shared"))
 DATA = SHARED / "tatblimp" / "test.jsonl"
 CORPUS = SHARED / "tatar-corpus" / "train.txt"
 SPM_MODEL = SHARED / "tokenizers" / "kypchak_unigram_48k.model"
+BLIMP = SHARED / "blimp" / "data"
 
 # The test models are tiny: one thread is as fast, and two threads on a busy 2-core machine are many times slower.
 torch.set_num_threads(1)

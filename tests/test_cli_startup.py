@@ -57,7 +57,10 @@ def test_version_and_every_help_import_no_heavy_module():
     assert set(answers) == {
         "--version",
         "--help",
-        *(f"{name} --help" for name in ("score", "sweep", "compare", "explain", "report", "tokenizers")),
+        *(
+            f"{name} --help"
+            for name in ("score", "sweep", "compare", "explain", "report", "tokenizers", "lm-eval-path", "lm-eval")
+        ),
     }
     for argv, (code, text) in answers.items():
         if argv != "--version":

@@ -11,7 +11,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tatblimp_callback"
 
 # Bottom to top, as docs/architecture.md tells them: the subpackages, and two modules of the package's top (the
 # custom-loop API, and the command line that wires every sub-command); "top" holds __init__ and __main__.
-LAYERS = ["reading", "tokenized", "engine", "results", "evaluation", "chat", "commands", "reports", "training", "cli", "top"]
+LAYERS = [
+    "reading",
+    "tokenized",
+    "engine",
+    "results",
+    "evaluation",
+    "chat",
+    "commands",
+    "reports",
+    "harness",
+    "training",
+    "cli",
+    "top",
+]
 
 
 def module_names(package: Path = PACKAGE) -> dict[str, Path]:

@@ -361,3 +361,40 @@ def test_without_eval_on_start_or_end_only_the_multiples_are_scored(tmp_path, bp
     assert "with eval_on_start=False, tatblimp/acc_norm is there only from the first evaluation (step 2)" in caplog.text
     assert "checks every" not in caplog.text
     assert checkpoint.best_model_score.item() == max(e["tatblimp/acc_norm"] for e in callback.history)
+
+
+@pytest.mark.slow
+def test_harness_tasks_are_logged_as_the_harness_scores_the_final_weights(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+    """``lm_eval_tasks`` in the Lightning callback: ``lm_eval/<task>/<metric>`` in the CSV log at every evaluation,
+    the last the numbers of lm-evaluation-harness's own ``hf`` model on the trained weights."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from conftest import DATA
+    from tatblimp_callback.harness import task_path
+
+    monkeypatch.setenv("TATBLIMP_DATA", str(DATA))  # the harness task reads the official file
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer,
+        data=small_data,
+        allow_modified=True,
+        eval_every_n_steps=2,
+        lm_eval_tasks=["tatblimp_binding"],
+        lm_eval_limit=20,
+    )
+    module = Wrapped(len(bpe_tokenizer))
+    fit(module, callback, tmp_path, 4, bpe_tokenizer)
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    assert all(r["lm_eval/tatblimp_binding/acc_norm"] for r in rows)
+    harness = simple_evaluate(
+        model=HFLM(pretrained=module.model.eval(), tokenizer=bpe_tokenizer, batch_size=8),
+        tasks=["tatblimp_binding"],
+        task_manager=TaskManager(include_path=str(task_path()), include_defaults=False),
+        limit=20,
+    )["results"]["tatblimp_binding"]
+    for metric in ("acc", "acc_norm"):
+        assert float(rows[-1][f"lm_eval/tatblimp_binding/{metric}"]) == pytest.approx(harness[f"{metric},none"], abs=1e-6)

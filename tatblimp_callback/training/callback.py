@@ -153,6 +153,18 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     for all, or ``{name: k}`` (a missing name: every evaluation). TatBLiMP is scored at every evaluation;
     ``suite_every={"blimp": 10}`` keeps a 67,000-pair BLiMP from making every evaluation 54 times longer."""
 
+    lm_eval_tasks: list[str] | None = None
+    """lm-evaluation-harness tasks (or groups) to score at each evaluation, on the training model (no second copy):
+    ``["blimp", "my_mc_task"]``. The harness's own ``evaluate`` runs with ``--model tatblimp`` wrapping the model, so
+    the metrics are the harness's (``process_results``, filters, aggregation), logged as ``lm_eval/<task>/<metric>``:
+    the numbers ``lm_eval --model hf`` prints for that checkpoint. Needs ``pip install lm-eval``."""
+
+    lm_eval_include_path: str | list[str] | None = None
+    """Folders of your own harness task YAML files, for ``lm_eval_tasks`` (the TatBLiMP tasks are always included)."""
+
+    lm_eval_limit: int | None = None
+    """Score only the first N documents of each harness task (the harness's ``--limit``: a partial run)."""
+
     alert_on_regression: bool = True
     """After each evaluation, compare every phenomenon and overall score (TatBLiMP's and each suite's) with its best
     earlier evaluation pair by pair, and raise an alert for a significant fall (see ``alerts.py``): a warning line,

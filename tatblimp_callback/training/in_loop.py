@@ -55,6 +55,7 @@ class InLoopMonitor:
         self.settings = settings
         self.evaluator: Evaluator | None = None
         self.fc_evaluator: ForcedChoiceEvaluator | None = None
+        self.harness = None  # harness.in_training.HarnessTasks, with lm_eval_tasks
         self._prepared_for: tuple[Any, Any] | None = None  # (tokenizer, data) the evaluators were built for
         self.errors = ErrorLog()
         self.last_suite_results: dict[str, Results] = {}
@@ -118,7 +119,8 @@ class InLoopMonitor:
     def prefixes(self) -> tuple[str, ...]:
         """The sections this monitor logs under: the log prefix, its forced-choice one, each suite's name."""
         prefix = self.settings.log_prefix
-        return (prefix, f"{prefix}_fc", *(self.settings.suites or {}))
+        harness = ("lm_eval",) if getattr(self.settings, "lm_eval_tasks", None) else ()
+        return (prefix, f"{prefix}_fc", *(self.settings.suites or {}), *harness)
 
     def is_our_metric(self, name: str | None) -> bool:
         return (name or "").removeprefix("eval_").startswith(tuple(f"{prefix}/" for prefix in self.prefixes()))
@@ -157,6 +159,17 @@ class InLoopMonitor:
                     truncate=s.truncate,
                     cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
                     suites=s.suites,
+                )
+            self.harness = None
+            if getattr(s, "lm_eval_tasks", None):  # built with the other evaluators; lm_eval imported only then
+                from ..harness.in_training import HarnessTasks
+
+                self.harness = HarnessTasks(
+                    s.lm_eval_tasks,
+                    tokenizer,
+                    include_path=s.lm_eval_include_path,
+                    limit=s.lm_eval_limit,
+                    memory_budget=s.memory_budget,
                 )
         for evaluator in (self.fc_evaluator, self.evaluator):
             if evaluator is not None:
@@ -213,7 +226,9 @@ class InLoopMonitor:
             fc_evaluator = None if self.fc_evaluator is None else functools.partial(self.fc_evaluator, weights=weights)
             results = self.guarded(evaluator, model) if evaluator is not None else None
             fc_results = self.guarded(fc_evaluator, model) if fc_evaluator is not None else None
+            harness = self.guarded(self.harness, model) if self.harness is not None else None
         metrics = self._metrics(step, results, fc_results, weights)
+        metrics.update(harness or {})  # the harness tasks' own metrics, lm_eval/<task>/<metric>
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
             self.alerts.observe(step, results, main)
             metrics.update(self.alerts.agreed_count(main))

@@ -131,6 +131,15 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     suite_every: int | dict[str, int] = 1
     """Score the suites at every k-th evaluation only, as ``TatBLiMPCallback.suite_every``."""
 
+    lm_eval_tasks: list[str] | None = None
+    """lm-evaluation-harness tasks to score at each evaluation, as ``TatBLiMPCallback.lm_eval_tasks``."""
+
+    lm_eval_include_path: str | list[str] | None = None
+    """Folders of your own harness task YAML files, as ``TatBLiMPCallback.lm_eval_include_path``."""
+
+    lm_eval_limit: int | None = None
+    """The first N documents of each harness task only, as ``TatBLiMPCallback.lm_eval_limit``."""
+
     alert_on_regression: bool = True
     """Regression alerts after each evaluation, as ``TatBLiMPCallback.alert_on_regression``."""
 

@@ -1,0 +1,175 @@
+"""lm-evaluation-harness's ``--model hf`` against ``--model tatblimp`` on the same requests: time, agreement, memory.
+
+Both models wrap one randomly initialised Llama (``bench_scoring.SHAPES``) with the shared 48K SentencePiece
+tokenizer, converted as transformers loads it, and get the same ``Instance`` lists, built as the harness's tasks
+build them:
+
+- BLiMP: every pair of ``shared/blimp/data`` (or the first ``--blimp-per-file`` of each of its 67 files), both
+  sentences as continuations of an empty context after the harness's target delimiter (" "), as its ``blimp``
+  task asks;
+- multiple choice with long shared contexts (HellaSwag-like): ``--mc-questions`` passages of Tatar corpus text
+  (``--mc-context-words`` words) as the question, and four endings of eight words each.
+
+Each ``loglikelihood`` call is timed (the best of ``--rounds``, the two models alternated so that the load of
+a shared machine falls on both; ``tatblimp``'s first call, which chooses the scoring method, is reported apart),
+every request's log-prob and ``is_greedy`` compared, and the peak extra memory
+of one call measured (CPU: tensor allocations recorded by the profiler; CUDA: ``max_memory_allocated``) on the
+first ``--memory-requests`` requests, since a call's peak is one batch's, whatever the number of requests.
+
+    python benchmarks/bench_lm_eval_model.py --shape 1.5m --json benchmarks/results/lm-eval-model-1.5m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_scoring import SHAPES, load_converted_tokenizer, make_model, peak_extra_memory, timed  # noqa: E402
+
+SHARED = Path(os.environ.get("TATBLIMP_SHARED", REPO.parent / "shared"))
+
+
+def blimp_requests(folder: Path, per_file: int | None):
+    from lm_eval.api.instance import Instance
+
+    requests = []
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines()[:per_file]:
+            pair = json.loads(line)
+            for sentence in (pair["sentence_good"], pair["sentence_bad"]):
+                requests.append(Instance("loglikelihood", pair, ("", " " + sentence), len(requests)))
+    return requests
+
+
+def mc_requests(corpus: Path, questions: int, context_words: int):
+    from lm_eval.api.instance import Instance
+
+    words = corpus.read_text(encoding="utf-8").split()
+    rng = random.Random(0)
+    requests = []
+    for q in range(questions):
+        start = q * (context_words + 8)
+        context = " ".join(words[start : start + context_words])
+        endings = [" ".join(words[start + context_words : start + context_words + 8])]
+        for _ in range(3):
+            other = rng.randrange(len(words) - 8)
+            endings.append(" ".join(words[other : other + 8]))
+        for ending in endings:
+            requests.append(Instance("loglikelihood", {}, (context, " " + ending), len(requests)))
+    return requests
+
+
+def compare(theirs, ours) -> dict:
+    diffs = [abs(a[0] - b[0]) for a, b in zip(theirs, ours, strict=True)]
+    return {
+        "requests": len(theirs),
+        "max_abs_logprob_diff": max(diffs),
+        "is_greedy_differs": sum(a[1] != b[1] for a, b in zip(theirs, ours, strict=True)),
+        "greedy_requests": sum(bool(a[1]) for a in theirs),
+    }
+
+
+def measure(name, requests, models, device, rounds: int, memory_requests: int, log) -> dict:
+    """hf's best of ``rounds`` calls; tatblimp's first call (with its one-time method check) and best of ``rounds`` more."""
+    times = {label: [] for label in models}
+    answers = {}
+    first = None
+    for _ in range(rounds):
+        for label, lm in models.items():
+            calls = 2 if label == "tatblimp" and first is None else 1
+            for _ in range(calls):
+                answers[label], seconds, _ = timed(lambda lm=lm: lm.loglikelihood(requests, disable_tqdm=True), device)
+                if label == "tatblimp" and first is None:
+                    first = seconds
+                else:
+                    times[label].append(seconds)
+    report = {label: {"seconds": min(t), "times": t} for label, t in times.items()}
+    report["tatblimp"]["first_call_seconds"] = first
+    for label, lm in models.items():
+        subset = requests[:memory_requests]
+        report[label]["peak_extra_bytes"] = peak_extra_memory(
+            lambda lm=lm, subset=subset: lm.loglikelihood(subset, disable_tqdm=True), device
+        )
+    report["agreement"] = compare(answers["hf"], answers["tatblimp"])
+    report["speedup"] = report["hf"]["seconds"] / report["tatblimp"]["seconds"]
+    report["speedup_first_call"] = report["hf"]["seconds"] / first
+    log(
+        f"{name}: {len(requests):,} requests, hf {report['hf']['seconds']:.1f} s, tatblimp {report['tatblimp']['seconds']:.1f} s "
+        f"({report['speedup']:.2f}x; first call {first:.1f} s, {report['speedup_first_call']:.2f}x); max |diff| "
+        f"{report['agreement']['max_abs_logprob_diff']:.2e} nats, is_greedy differs {report['agreement']['is_greedy_differs']}; "
+        f"peak extra MiB hf {report['hf']['peak_extra_bytes'] / 2**20:.0f}, "
+        f"tatblimp {report['tatblimp']['peak_extra_bytes'] / 2**20:.0f}"
+    )
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5m")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--blimp-per-file", type=int, help="the first N pairs of each BLiMP file (default: all 1,000)")
+    parser.add_argument("--mc-questions", type=int, default=200)
+    parser.add_argument("--mc-context-words", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=64, help="HFLM's batch size")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--memory-requests", type=int, default=2000)
+    parser.add_argument("--tasks", default="blimp,mc")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+    log = lambda *parts: print(*parts, flush=True)  # noqa: E731
+
+    from lm_eval.models.huggingface import HFLM
+
+    from tatblimp_callback.harness import register
+
+    device = torch.device(args.device)
+    tokenizer = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    model = make_model(args.shape, len(tokenizer), device, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    common = dict(pretrained=model, tokenizer=tokenizer, max_length=2048)
+    models = {"hf": HFLM(batch_size=args.batch_size, **common), "tatblimp": register()(**common)}
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "lm_eval": __import__("lm_eval").__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "load_before": list(os.getloadavg()),
+        },
+        "shape": args.shape,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "hf_batch_size": args.batch_size,
+        "rounds": args.rounds,
+    }
+    tasks = args.tasks.split(",")
+    if "blimp" in tasks:
+        requests = blimp_requests(SHARED / "blimp" / "data", args.blimp_per_file)
+        report["blimp"] = measure("BLiMP", requests, models, device, args.rounds, args.memory_requests, log)
+        report["blimp"]["pairs"] = len(requests) // 2
+    if "mc" in tasks:
+        requests = mc_requests(SHARED / "tatar-corpus" / "train.txt", args.mc_questions, args.mc_context_words)
+        report["mc"] = measure("multiple choice", requests, models, device, args.rounds, args.memory_requests, log)
+        report["mc"]["context_words"] = args.mc_context_words
+    report["machine"]["load_after"] = list(os.getloadavg())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""``--model tatblimp``: lm-evaluation-harness's ``HFLM`` with its log-likelihoods computed by the fused engine.
+
+Loading (``pretrained``, ``dtype``, ``device``, ``revision``, ``trust_remote_code``, ...), tokenizing and the
+encoding of every request (``_encode_pair``, the prefix token for an empty context, the rolling windows) are the
+harness's own, so each request's tokens are exactly what ``--model hf`` scores. Only the forward passes change:
+all of a call's requests are scored at once in prefix-tree rows (``fused.RequestScorer``), so requests that share
+a context compute it once, and the head is applied only at the continuation's positions. ``generate_until`` is
+``HFLM``'s.
+
+Importing this module registers the model with the harness (``import tatblimp_callback.harness`` does it too);
+``tatblimp lm-eval ...`` runs the harness's command line with it registered.
+"""
+
+from __future__ import annotations
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from .fused import RequestScorer
+
+
+@register_model("tatblimp")
+class TatBLiMPLM(HFLM):
+    """``HFLM`` whose ``loglikelihood`` and ``loglikelihood_rolling`` run on the engine's prefix-tree rows.
+
+    Args:
+        memory_budget: bytes of extra memory per forward call and head tile (default: the engine's,
+            from free device memory); the harness's ``batch_size`` is not used for log-likelihoods.
+        row_length: positions per row (raised to the longest request).
+        **kwargs: ``HFLM``'s arguments (``pretrained=`` a path, a Hub id or a loaded model, ...).
+    """
+
+    def __init__(self, memory_budget: int | str | None = None, row_length: int | str = 256, **kwargs):
+        super().__init__(**kwargs)
+        if self.backend != "causal":
+            raise ValueError(f"--model tatblimp scores causal LMs; {kwargs.get('pretrained')!r} loaded as {self.backend}")
+        self.request_scorer = RequestScorer(
+            self.model, memory_budget=int(memory_budget) if memory_budget else None, row_length=int(row_length)
+        )
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """``(log-prob, is_greedy)`` of each encoded ``(key, context tokens, continuation tokens)``, in order."""
+        answers = self.request_scorer.score(
+            [(context, continuation) for _, context, continuation in requests], self.prefix_token_id, self.max_length
+        )
+        for (key, _, _), answer in zip(requests, answers, strict=True):
+            if key is not None:  # rolling windows have no key; their request is cached whole below
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return answers
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each string's log-likelihood over the harness's disjoint rolling windows, all windows scored in one call."""
+        windows, owners = [], []
+        for k, (string,) in enumerate(request.args for request in requests):
+            rolling = get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for context, continuation in map(make_disjoint_window, rolling):
+                windows.append((None, context, continuation))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
+            totals[k] += logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
