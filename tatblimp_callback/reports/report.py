@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reading.identity import record_fingerprint
+from ..reading.option_types import accuracy, natural_int
 from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
 from ..results.flips import Flips, flips, pair_sentences, sweep_flips
@@ -361,13 +362,13 @@ def add_report_parser(commands) -> None:
     parser.add_argument("results", nargs="+", help="sweep / history JSONL files or score --output JSON files (first: baseline)")
     parser.add_argument("--output", required=True, help="the HTML file to write")
     parser.add_argument(
-        "--steps", type=int, nargs=2, metavar=("A", "B"), help="test these two steps of each sweep (default: first, last)"
+        "--steps", type=natural_int, nargs=2, metavar=("A", "B"), help="test these two steps of each sweep (default: first, last)"
     )
     parser.add_argument(
         "--model", help="show the first run's flipped and never-learned pairs token by token, scored by this model"
     )
     parser.add_argument(
-        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
+        "--threshold", type=accuracy, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
     )
     parser.add_argument("--title", default="TatBLiMP report", help="the page title")
     parser.add_argument(
