@@ -55,6 +55,7 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
     runs = [
         {
             "label": run.label,
+            "path": str(run.path),
             **accuracies(run.record),
             "phenomena": {name: {**accuracies(g), "n": g.get("n")} for name, g in run.record["phenomena"].items()},
         }
