@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import random
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -79,6 +81,27 @@ def plot_demo_curves(history_file: Path, plot: Path, parameters: int) -> None:
     records = [json.loads(line) for line in history_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     title = f"TatBLiMP while a {parameters / 1e6:.1f}M Llama learns Tatar"
     plot_curves(records, plot, metric="acc_norm", title=title)
+
+
+def next_steps(output: Path, data: str | None) -> list[str]:
+    """The lines the demo ends with: how to reach the ``tatblimp`` command of this environment (in its bin folder,
+    which is on no one's PATH unless activated), how to point the guides' commands at the benchmark file, and two
+    commands to try on this run."""
+    bin_dir = Path(sys.executable).parent
+    if bin_dir.is_relative_to(Path.cwd()):  # .venv/bin after make demo
+        bin_dir = bin_dir.relative_to(Path.cwd())
+    tatblimp = shlex.quote(str(bin_dir / "tatblimp"))
+    run = shlex.quote(str(output))
+    lines = [
+        f"next: the guides' commands start with tatblimp, which is in {bin_dir}: "
+        f"call {tatblimp} or first `source {shlex.quote(str(bin_dir / 'activate'))}`",
+    ]
+    if data and os.environ.get("TATBLIMP_DATA") != data:
+        lines.append("  the commands without --data read the file named by $TATBLIMP_DATA:")
+        lines.append(f"  export TATBLIMP_DATA={shlex.quote(str(Path(data).resolve()))}")
+    lines.append(f"  {tatblimp} explain {run}/model --phenomenon quantifiers --worst 2")
+    lines.append(f"  {tatblimp} report {run}/tatblimp_history.jsonl --output {run}/report.html --model {run}/model")
+    return lines
 
 
 def main() -> None:
@@ -152,6 +175,7 @@ def main() -> None:
         f"wrote {plot}, {output / 'tatblimp_results.json'}, {output / 'tatblimp_history.jsonl'} (one line per evaluation)"
         f" and the model in {output / 'model'}"
     )
+    print("\n" + "\n".join(next_steps(output, args.data)))
 
 
 if __name__ == "__main__":

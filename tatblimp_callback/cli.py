@@ -38,6 +38,7 @@ from .commands.outputs import check_output_file, say, silence_stdout, write_text
 from .commands.sweep import add_sweep_parser
 from .commands.tokenizers import add_tokenizers_parser
 from .harness.command import add_harness_parsers
+from .reading.option_types import natural_int, positive_float, positive_int
 from .reading.suites import add_suite_arguments, suites_from_args
 from .reports.report_command import add_report_parser
 
@@ -54,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("model", nargs="?", help="a folder saved with save_pretrained, or a Hub model id (not with --endpoint)")
     add_model_arguments(score)
     score.add_argument(
-        "--limit", type=int, metavar="N", help="score only the first N pairs of each phenomenon (a quick run; marked partial)"
+        "--limit",
+        type=positive_int,
+        metavar="N",
+        help="score only the first N pairs of each phenomenon (a quick run; marked partial)",
     )
     score.add_argument(
         "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
@@ -136,6 +140,7 @@ def report(results, output: str | None) -> None:
 
 def run_score(args: argparse.Namespace) -> None:
     check_output_file(args.output, "--output")
+    check_output_file(args.results, "--results")
     if args.endpoint is None and not args.model and (args.protocol == "forced-choice" or args.model_name):
         args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
     if args.endpoint and args.protocol == "logprob":  # a completions endpoint
@@ -189,10 +194,12 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
         help="environment variable holding the endpoint's API key, if it needs one (default: OPENAI_API_KEY)",
     )
     group.add_argument("--results", help="endpoint: append answers to this JSONL file and skip those already in it")
-    group.add_argument("--concurrency", type=int, default=8, help="endpoint: requests at once (default: 8)")
-    group.add_argument("--max-retries", type=int, default=4, help="endpoint: retries per request on 5xx/connection errors")
-    group.add_argument("--timeout", type=float, default=60.0, help="endpoint: seconds per request (default: 60)")
-    group.add_argument("--max-tokens", type=int, default=8, help="endpoint: reply token limit (default: 8)")
+    group.add_argument("--concurrency", type=positive_int, default=8, help="endpoint: requests at once (default: 8)")
+    group.add_argument(
+        "--max-retries", type=natural_int, default=4, help="endpoint: retries per request on 5xx/connection errors"
+    )
+    group.add_argument("--timeout", type=positive_float, default=60.0, help="endpoint: seconds per request (default: 60)")
+    group.add_argument("--max-tokens", type=positive_int, default=8, help="endpoint: reply token limit (default: 8)")
     group.add_argument(
         "--extra-body", help='endpoint: JSON object of extra request fields, e.g. \'{"guided_choice": ["A", "B"]}\''
     )

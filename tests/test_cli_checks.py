@@ -76,7 +76,6 @@ def test_what_needs_no_model_is_checked_before_it_loads(model_dir, tmp_path, mon
     assert error_of([*model, "--data", str(DATA), "--phenomena", "binding,nope"], capsys).startswith(
         f"{DATA}: no phenomenon nope"
     )
-    assert error_of([*model, "--data", str(DATA), "--limit", "0"], capsys) == "limit must be at least 1, got 0"
 
 
 def test_score_names_a_damaged_weights_file(model_dir, tmp_path, capsys):

@@ -185,7 +185,7 @@ def test_different_benchmarks_or_missing_outcomes_are_refused_unless_side_by_sid
         (tmp_path / folder / "r.json").write_text(json.dumps(result(0.5, {"p": 0.5}, md5=md5)))
     paths = [tmp_path / "a" / "r.json", tmp_path / "b" / "r.json"]
     runs = load_runs(paths)
-    assert [run.label for run in runs] == [str(path) for path in paths]
+    assert [run.label for run in runs] == ["a/r", "b/r"] and runs[0].path == paths[0]
     with pytest.raises(CompareError, match=r"different benchmark files \(md5 .*a/r.json: x, .*b/r.json: y\)"):
         compare_runs(runs)
     side_by_side = format_text(compare_runs(runs, paired=False))
@@ -340,7 +340,9 @@ def test_cli_compare_on_two_real_score_files(tmp_path, bpe_tokenizer, small_data
     out = capsys.readouterr().out
     assert "paired, acc_norm: seed2 against seed1 (baseline)" in out and "paired, acc: seed2 against seed1 (baseline)" in out
     written = json.loads((tmp_path / "c.json").read_text())
-    assert [set(run) for run in written["runs"]] == [{"label", "acc", "acc_ci", "acc_norm", "acc_norm_ci", "phenomena"}] * 2
+    assert [set(run) for run in written["runs"]] == [
+        {"label", "path", "acc", "acc_ci", "acc_norm", "acc_norm_ci", "phenomena"}
+    ] * 2
     assert all(
         set(g) == {"acc", "acc_ci", "acc_norm", "acc_norm_ci", "n"} for run in written["runs"] for g in run["phenomena"].values()
     )

@@ -101,3 +101,35 @@ def test_a_navigation_link_opens_its_page_from_disk(site):
         )
         browser.close()
     assert overflowing == []
+
+
+def test_search_finds_a_page_in_the_site_opened_from_disk(site):
+    """Material's offline plugin and the vendored iframe-worker shim: without them the box says "Initializing search"
+    forever from file:// (no fetch of the index, no worker), and the shim would be loaded from unpkg.com."""
+    from playwright.sync_api import sync_playwright
+
+    asked = []
+    with sync_playwright() as playwright:
+        browser = launch(playwright)
+        context = browser.new_context(viewport={"width": 1280, "height": 900}, offline=True)
+        context.route(re.compile(r"^(?!file://).*"), lambda route: (asked.append(route.request.url), route.abort()))
+        page = context.new_page()
+        failed = []
+        page.on("requestfailed", lambda request: failed.append(request.url))
+        page.goto((site / "guides" / "diagnostics.html").as_uri())  # a page below the top: relative paths to the index
+        page.wait_for_load_state("load")
+        page.locator("input.md-search__input").fill("McNemar")  # in the header at 1280 px
+        results = page.locator(".md-search-result__item")
+        results.first.wait_for(timeout=20_000)
+        meta = page.locator(".md-search-result__meta").inner_text()
+        first = results.first.locator("a").first
+        href = first.get_attribute("href")
+        first.click()
+        page.wait_for_load_state("load")
+        url = page.url
+        browser.close()
+    assert re.fullmatch(r"\d+ matching documents?", meta), meta
+    assert href and not href.startswith(("http", "/"))
+    assert url.startswith(site.as_uri()) and Path(unquote(urlsplit(url).path)).is_file()
+    assert [u for u in failed if u.startswith("file://")] == []  # search/search_index.js and the shim were there
+    assert not any("unpkg.com" in u or "iframe-worker" in u for u in asked)  # the shim from disk, not the network

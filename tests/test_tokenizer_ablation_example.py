@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -38,3 +39,28 @@ def test_the_example_writes_the_outcomes_split_by_alignment(tmp_path):
         assert cell in row and re.search(r"\[0\.\d{3}, 0\.\d{3}\]", row)
         assert f"vocab-{vocab}: acc_norm acquisition step" in by_edit
     assert "By how the tokenizer cut the edit" in (out / "ablation.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        (["--data", "nope.jsonl"], "nope.jsonl: cannot read the benchmark file (No such file or directory)"),
+        (["--data", str(DATA), "--corpus", "nope.txt"], "--corpus nope.txt: cannot read it (No such file or directory)"),
+        (["--data", str(DATA), "--output-dir", "/proc/nope"], "--output-dir /proc/nope/ablation.md: cannot write in /proc/nope"),
+    ],
+)
+def test_a_bad_input_fails_in_one_line_before_any_training(tmp_path, options, error):
+    """Before, a bad --data trained the first model (16-19 s) and then died in a traceback ending in BenchmarkError."""
+    out = tmp_path / "ablation"
+    command = [sys.executable, str(REPO / "examples" / "tokenizer_ablation.py"), "--corpus", str(CORPUS)]
+    command += ["--output-dir", str(out), "--vocab-sizes", "300", "--lines", "200", "--steps", "2", *options]
+    start = time.monotonic()
+    completed = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    seconds = time.monotonic() - start
+    assert completed.returncode == 1
+    assert completed.stdout == "" and len(completed.stderr.splitlines()) == 1, completed.stderr
+    assert completed.stderr.startswith(f"tokenizer_ablation.py: error: {error}")
+    assert not out.exists()  # no tokenizer, no model, no checkpoint
+    assert seconds < 15  # no torch import, no training: about 2 s on the 2-core machine, loaded

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..reading.option_types import positive_int, share, whole_number
+
 # Options of the default backend's loader that vLLM does not take: it places the weights itself.
 _TRANSFORMERS_ONLY = {
     "device": "--device",
@@ -37,15 +39,20 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         help="transformers: load the model and score it in this process (default); vllm: start a vLLM engine "
         "for it (pip install 'tatblimp-callback[vllm]')",
     )
-    group.add_argument("--tensor-parallel-size", type=int, metavar="N", help="vllm: GPUs each layer is split over (default: 1)")
     group.add_argument(
-        "--pipeline-parallel-size", type=int, metavar="N", help="vllm: stages the layers are split into (default: 1)"
+        "--tensor-parallel-size", type=positive_int, metavar="N", help="vllm: GPUs each layer is split over (default: 1)"
     )
     group.add_argument(
-        "--gpu-memory-utilization", type=float, metavar="F", help="vllm: share of each GPU's memory it may take (default: 0.9)"
+        "--pipeline-parallel-size", type=positive_int, metavar="N", help="vllm: stages the layers are split into (default: 1)"
     )
     group.add_argument(
-        "--max-model-len", type=int, metavar="N", help="vllm: the engine's context (default: what the longest sentence needs)"
+        "--gpu-memory-utilization", type=share, metavar="F", help="vllm: share of each GPU's memory it may take (default: 0.9)"
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=whole_number(2),
+        metavar="N",
+        help="vllm: the engine's context (default: what the longest sentence needs)",
     )
 
 

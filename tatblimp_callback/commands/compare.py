@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from ..reading.option_types import natural_int
 from ..results.comparison import Comparison, compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
 from ..results.edit_outcomes import format_runs_by_edit, runs_by_edit
@@ -55,6 +56,7 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
     runs = [
         {
             "label": run.label,
+            "path": str(run.path),
             **accuracies(run.record),
             "phenomena": {name: {**accuracies(g), "n": g.get("n")} for name, g in run.record["phenomena"].items()},
         }
@@ -261,7 +263,7 @@ def add_compare_parser(commands) -> None:
         "@4B or @REVISION)",
     )
     parser.add_argument("--baseline", help="label of the run the others are tested against (default: the first)")
-    parser.add_argument("--step", type=int, help="compare every sweep at this step (default: its last)")
+    parser.add_argument("--step", type=natural_int, help="compare every sweep at this step (default: its last)")
     parser.add_argument(
         "--no-paired",
         dest="paired",

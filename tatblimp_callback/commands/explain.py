@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..reading.data import Benchmark
+from ..reading.option_types import natural_int, positive_int
 
 if TYPE_CHECKING:  # torch comes with them: `tatblimp explain --help` does without
     from ..results.metrics import PairResult
@@ -179,9 +180,11 @@ def add_explain_parser(commands) -> None:
 
     parser = commands.add_parser("explain", help="show pairs token by token: surprisal in bits, the edit marked")
     parser.add_argument("model", help="a folder saved with save_pretrained, or a Hub model id")
-    parser.add_argument("--pair", type=int, action="append", help="pair index in the benchmark file (0-based; repeatable)")
+    parser.add_argument(
+        "--pair", type=natural_int, action="append", help="pair index in the benchmark file (0-based; repeatable)"
+    )
     parser.add_argument("--phenomenon", help="with --worst: the phenomenon whose worst pairs to show")
-    parser.add_argument("--worst", type=int, help="show the K pairs of --phenomenon with the lowest per-byte margin")
+    parser.add_argument("--worst", type=positive_int, help="show the K pairs of --phenomenon with the lowest per-byte margin")
     add_model_arguments(parser)
     parser.set_defaults(run=run_explain)
 
@@ -197,8 +200,6 @@ def choose_pairs(args: argparse.Namespace, benchmark: Benchmark) -> tuple[list[i
         return args.pair, False
     if not args.phenomenon or not args.worst:
         raise ValueError("name the pairs: --pair N, or --phenomenon NAME --worst K")
-    if args.worst < 1:
-        raise ValueError(f"--worst must be at least 1, got {args.worst}")
     if args.phenomenon not in benchmark.phenomena:
         raise ValueError(f"--phenomenon {args.phenomenon}: no such phenomenon ({', '.join(benchmark.phenomena)})")
     return [i for i, p in enumerate(benchmark.pairs) if p.phenomenon == args.phenomenon], True

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reading.hub import hub_cached, hub_unreachable, unreachable_message
+from ..reading.option_types import natural_int, positive_int
 from ..tokenized.tokenization import SentencePieceTokenizer
 from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
 from .backends import add_backend_arguments, uses_vllm
@@ -30,10 +31,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="benchmark JSONL (default: $TATBLIMP_DATA, else the Hub dataset ilchats/TatBLiMP)")
     parser.add_argument("--allow-modified", action="store_true", help="accept a file that is not the official release")
     parser.add_argument("--tokenizer", help="tokenizer folder or raw SentencePiece .model (default: the model's)")
-    parser.add_argument("--prefix-token-id", type=int, help="token put before each sentence (default: BOS, else EOS)")
+    parser.add_argument("--prefix-token-id", type=natural_int, help="token put before each sentence (default: BOS, else EOS)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
-    parser.add_argument("--memory-budget-mb", type=int, help="extra memory one evaluation may use")
+    parser.add_argument("--memory-budget-mb", type=positive_int, help="extra memory one evaluation may use")
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
     add_placement_arguments(parser)
     add_backend_arguments(parser)

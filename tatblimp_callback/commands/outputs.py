@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 
 def check_output_file(path: str | os.PathLike | None, option: str) -> None:
-    """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, or not writable.
+    """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, or a folder
+    that cannot be created or written in (``/proc/x/out.json``, a read-only mount).
 
-    Missing folders on the way are fine (they are created when the file is written). None: nothing to check.
+    It tries: the missing folders on the way are made, a probe file is written in the last one, and both are
+    removed again, so a command that fails later leaves nothing behind. None: nothing to check.
     """
     if path is None:
         return
@@ -29,8 +32,20 @@ def check_output_file(path: str | os.PathLike | None, option: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"{option} {path}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: the folder {existing} is not writable")
+    made = []
+    try:
+        folder = existing
+        for part in path.parent.relative_to(existing).parts:
+            folder = folder / part
+            folder.mkdir()
+            made.append(folder)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tatblimp-probe-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option} {path}: cannot write in {folder} ({err.strerror or err})") from None
+    finally:
+        for made_folder in reversed(made):
+            made_folder.rmdir()
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..reading.option_types import non_negative_float
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from ..results.positions import readable
@@ -31,9 +32,9 @@ from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
 from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
 from .loading import add_model_arguments
-from .outputs import say
+from .outputs import check_output_file, say
 from .placement import placement_options
-from .revision_sweep import RevisionSeries, add_revision_arguments, check_repo_id, revision_summary
+from .revision_sweep import RevisionSeries, add_revision_arguments, check_repo_id, default_results_path, revision_summary
 from .sweep_options import SweepOptions, SweepReport
 from .sweep_records import append_sweep_record, check_same_files, read_records
 
@@ -293,8 +294,10 @@ def add_sweep_parser(commands) -> None:
     parser.add_argument("--include-pairs", action="store_true", help="keep the per-pair list in each JSONL line")
     add_suite_arguments(parser, suites_only=False)
     parser.add_argument("--watch", action="store_true", help="keep polling for new checkpoints (stop: Ctrl-C or --max-wait)")
-    parser.add_argument("--interval", type=float, help="seconds between polls (default: 30 with --watch, else 5)")
-    parser.add_argument("--max-wait", type=float, help="with --watch: stop after this many seconds without a new checkpoint")
+    parser.add_argument("--interval", type=non_negative_float, help="seconds between polls (default: 30 with --watch, else 5)")
+    parser.add_argument(
+        "--max-wait", type=non_negative_float, help="with --watch: stop after this many seconds without a new checkpoint"
+    )
     add_acquisition_arguments(parser)
     parser.add_argument("--wandb-project", help="log the curves to this wandb project")
     parser.add_argument("--wandb-run-id", help="resume this wandb run (e.g. the training run)")
@@ -309,6 +312,10 @@ def run_sweep(args: argparse.Namespace) -> None:
     options = SweepOptions(**{f.name: getattr(args, f.name) for f in fields(SweepOptions) if hasattr(args, f.name)})
     options.max_memory = placement["max_memory"]
     options.vllm_options = backend_options(args).get("vllm_options")
+    if options.revisions:  # the results file is written after the first model loads: checked before it
+        check_output_file(options.results or default_results_path(args.run_dir), "--results")
+    elif Path(args.run_dir).is_dir():
+        check_output_file(Path(args.run_dir) / RESULTS_FILE, "the results file")
     report = sweep(args.run_dir, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return  # process 0 reports for all

@@ -21,6 +21,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from ..commands.explain import normalised_margin
 from ..reading.identity import record_fingerprint
 from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
@@ -82,7 +83,7 @@ def _axis(runs: Sequence[Run]) -> str:
     return axis_of(r for run in runs if run.is_sweep for r in run.records_up_to_step)
 
 
-def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, details) -> str:
+def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, details, metric: str = "acc") -> str:
     items = []
     for i in indices:
         text = f'<span class="idx">#{i}</span> {escape(phenomena[i])}'
@@ -90,13 +91,16 @@ def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, det
             good, bad = sentences[i]
             text += f'<br><span class="good">good: {escape(good)}</span><br><span class="bad">bad: {escape(bad)}</span>'
         if details and i in details:
-            text += token_view(*details[i])
+            text += token_view(*details[i], metric)
         items.append(f'<li data-pair="{i}">{text}</li>')
     return f'<ul class="pairs">{"".join(items)}</ul>'
 
 
-def token_view(pair, tokens) -> str:
-    """Both sentences token by token: surprisal in bits under each token, shaded by it; the edit outlined (class ``e``)."""
+def token_view(pair, tokens, metric: str = "acc") -> str:
+    """Both sentences token by token: surprisal in bits under each token, shaded by it; the edit outlined (class ``e``).
+
+    The margin first is the one ``metric`` decides by: for acc_norm the per-byte margin, as ``tatblimp explain`` gives it.
+    """
     rows = []
     for label, texts, logprobs, (start, end) in (
         ("good", tokens.good_tokens_text, tokens.good_token_logprobs, tokens.edit["good"]),
@@ -111,8 +115,11 @@ def token_view(pair, tokens) -> str:
             cells.append(f'<i class="k s{level}{edit}">{text}<b>{bits:.1f}</b></i>')
         rows.append(f'<div class="tokens">{"".join(cells)}</div>')
     before, at, after = tokens.margin_parts()
+    margin = f"margin {pair.good_logprob - pair.bad_logprob:+.2f} nats"
+    if metric == "acc_norm":  # what decides acc_norm; the sentence margin below it, split at the edit
+        margin = f"margin per byte {normalised_margin(pair):+.4f} nats; in all {margin.removeprefix('margin ')}"
     note = (
-        f'<div class="meta">margin {pair.good_logprob - pair.bad_logprob:+.2f} nats: at the edit {at:+.2f}, '
+        f'<div class="meta">{margin}: at the edit {at:+.2f}, '
         f"after it {after:+.2f}, before it {before:+.2f}; surprisal in bits under each token, the edit outlined</div>"
     )
     return note + "".join(rows)
@@ -127,7 +134,7 @@ def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, 
     ):
         parts.append(
             f'<details><summary>{metric}: <b class="flip-count" data-kind="{kind}">{len(indices)}</b> {escape(title)}</summary>'
-            f"{_pair_items(indices, phenomena, sentences, details)}</details>"
+            f"{_pair_items(indices, phenomena, sentences, details, metric)}</details>"
         )
     return "".join(parts) + "</div>"
 
@@ -183,7 +190,7 @@ def _never_and_unstable(run: Run, sentences, details) -> str:
         if f.never_learned or f.unstable:
             parts.append(
                 f"<details><summary>{escape(name)}: {len(f.never_learned)} never learned, {len(f.unstable)} unstable</summary>"
-                f"<b>never learned</b>{_pair_items(f.never_learned, phenomena, sentences, details)}"
+                f"<b>never learned</b>{_pair_items(f.never_learned, phenomena, sentences, details, 'acc_norm')}"
                 f"<b>unstable</b>{_pair_items(f.unstable, phenomena, sentences, None)}</details>"
             )
     return "".join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from ..reading.option_types import accuracy
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.positions import find_step
 from ..results.runs import Run, load_runs
@@ -59,7 +60,7 @@ def add_report_parser(commands) -> None:
         "--model", help="show the first run's flipped and never-learned pairs token by token, scored by this model"
     )
     parser.add_argument(
-        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
+        "--threshold", type=accuracy, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
     )
     parser.add_argument("--title", default="TatBLiMP report", help="the page title")
     parser.add_argument(

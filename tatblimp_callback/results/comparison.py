@@ -70,9 +70,9 @@ def compare_runs(
         base = matches[0]
     tests: dict[str, list[PairedTest]] = {}
     if paired:
-        md5s = {run.label: run.record.get("benchmark", {}).get("md5") for run in runs}
+        md5s = {run.path: run.record.get("benchmark", {}).get("md5") for run in runs}  # the files, in an error
         if len(set(md5s.values())) > 1 or None in md5s.values():
-            listed = ", ".join(f"{label}: {md5}" for label, md5 in md5s.items())
+            listed = ", ".join(f"{path}: {md5}" for path, md5 in md5s.items())
             raise CompareError(
                 f"the results were scored on different benchmark files (md5 {listed}); their pairs cannot be compared "
                 "pair by pair (--no-paired shows them side by side)"

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..reading.data import OFFICIAL_ORDER
+from ..reading.option_types import accuracy
 
 DEFAULT_THRESHOLD = 0.75
 
@@ -250,7 +251,7 @@ def require_matplotlib():
 def add_acquisition_arguments(parser) -> None:
     """``--threshold`` and ``--acquisition``, the options of ``sweep`` and ``compare`` that define "acquired"."""
     parser.add_argument(
-        "--threshold", type=float, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
+        "--threshold", type=accuracy, default=DEFAULT_THRESHOLD, help="acc_norm that counts as acquired (default 0.75)"
     )
     parser.add_argument(
         "--acquisition",

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -187,26 +187,52 @@ def load_runs(specs: list[str | os.PathLike], step: int | None = None) -> list[R
 
     ``STEP`` of a revision series may be a count as its names write it (``@4B``) or a revision's name
     (``@step1000-tokens4B``). A run picked by ``@STEP`` is labelled ``<label>@<STEP>``; runs with the same label are
-    told apart by their path.
+    told apart by the shortest ending of their paths that differs (``v1000/tiny-tatar``, ``v4000/tiny-tatar``);
+    ``Run.path`` keeps the path. A file named twice (``P@0 P``) is read once.
     """
-    runs = []
+    runs, picks, read = [], [], {}
     for spec in specs:
         path, picked = Path(spec), None
         match = re.fullmatch(r"(.+)@([^@/]+)", str(spec))
         # @1200; of a revision series also @4B or @step1000-tokens4B (then only where the file is there)
         if match and not path.exists() and (match.group(2).isdigit() or Path(match.group(1)).exists()):
             path, picked = Path(match.group(1)), match.group(2)
-        run = load_run(path)
+        key = os.path.abspath(path)
+        if key not in read:
+            read[key] = load_run(path)
+        run = replace(read[key], path=path)  # a Run of its own: its step, label and cached outcomes
         if picked is not None:
             run.pick(_named_step(run, picked))
             run.label = f"{run.label}@{picked}"
         elif step is not None and run.is_sweep:
             run.pick(step)
         runs.append(run)
+        picks.append(f"@{picked}" if picked is not None else "")
     if step is not None and not any(run.is_sweep for run in runs):
         raise CompareError("--step picks a step of a sweep (JSON lines); none of the results is one")
     labels = [run.label for run in runs]
-    for run in runs:
-        if labels.count(run.label) > 1:
-            run.label = str(run.path) + (f"@{run.step}" if run.step is not None else "")
+    for label in {label for label in labels if labels.count(label) > 1}:
+        same = [i for i, run in enumerate(runs) if run.label == label]
+        parts = {i: _label_parts(runs[i].path) for i in same}
+        for length in range(1, max(len(p) for p in parts.values()) + 1):
+            endings = ["/".join(parts[i][-length:]) + picks[i] for i in same]
+            if len(set(endings)) == len(endings):
+                break
+        else:  # the same file at the same step twice: nothing tells them apart
+            endings = [runs[i].label for i in same]
+        for i, ending in zip(same, endings):
+            runs[i].label = ending
     return runs
+
+
+def _label_parts(path: Path) -> list[str]:
+    """The names a run's label is made of, outermost first: its folders, then its file name as ``load_run``
+    labels it (none for ``tatblimp.jsonl``, whose folder names the run)."""
+    path = Path(os.path.abspath(path))
+    if path.name in JSONL_NAMES:
+        last = []
+    elif path.name.endswith(HUB_SWEEP_SUFFIX):
+        last = [path.name.removesuffix(HUB_SWEEP_SUFFIX)]
+    else:
+        last = [path.stem]
+    return [*path.parent.parts[1:], *last]

@@ -1,0 +1,123 @@
+"""Bad option values and unwritable output paths are refused before any work: a value out of range by the parser
+(status 2, naming the option), an output folder that cannot be made or written in before the model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA
+from tatblimp_callback.cli import main
+from tatblimp_callback.commands.outputs import check_output_file
+
+TATBLIMP = str(Path(sys.executable).parent / "tatblimp")
+
+
+def usage_error(args, capsys) -> str:
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["score", "m", "--limit", "0"], "argument --limit: must be a whole number of at least 1, got 0"),
+        (["score", "m", "--limit", "-3"], "argument --limit: must be a whole number of at least 1, got -3"),
+        (["score", "m", "--limit", "abc"], "argument --limit: must be a whole number of at least 1, got 'abc'"),
+        (["score", "m", "--concurrency", "0"], "argument --concurrency: must be a whole number of at least 1, got 0"),
+        (["score", "m", "--max-retries", "-1"], "argument --max-retries: must be a whole number of at least 0, got -1"),
+        (["score", "m", "--timeout", "0"], "argument --timeout: must be a number above 0, got 0"),
+        (["score", "m", "--timeout", "nan"], "argument --timeout: must be a number above 0, got 'nan'"),
+        (["score", "m", "--memory-budget-mb", "0"], "argument --memory-budget-mb: must be a whole number of at least 1, got 0"),
+        (["score", "m", "--prefix-token-id", "-1"], "argument --prefix-token-id: must be a whole number of at least 0, got -1"),
+        (
+            ["score", "m", "--gpu-memory-utilization", "1.5"],
+            "argument --gpu-memory-utilization: must be a number above 0 and at most 1, got 1.5",
+        ),
+        (["score", "m", "--max-model-len", "1"], "argument --max-model-len: must be a whole number of at least 2, got 1"),
+        (["sweep", "r", "--threshold", "75"], "argument --threshold: must be a number from 0 to 1, got 75"),
+        (["sweep", "r", "--interval", "-5"], "argument --interval: must be a number of at least 0, got -5"),
+        (["sweep", "r", "--watch", "--max-wait", "-1"], "argument --max-wait: must be a number of at least 0, got -1"),
+        (["compare", "a.json", "--step", "-1"], "argument --step: must be a whole number of at least 0, got -1"),
+        (["explain", "m", "--pair", "-2"], "argument --pair: must be a whole number of at least 0, got -2"),
+        (
+            ["explain", "m", "--phenomenon", "binding", "--worst", "0"],
+            "argument --worst: must be a whole number of at least 1, got 0",
+        ),
+        (
+            ["report", "a.json", "--output", "r.html", "--steps", "0", "-1"],
+            "argument --steps: must be a whole number of at least 0, got -1",
+        ),
+    ],
+)
+def test_a_value_out_of_range_is_a_usage_error_naming_the_option(args, message, capsys):
+    assert usage_error(args, capsys) == f"tatblimp {args[0]}: error: {message}"
+
+
+def test_limit_zero_costs_no_model_load_in_a_real_process(model_dir):
+    start = time.monotonic()
+    done = subprocess.run(
+        [TATBLIMP, "score", str(model_dir), "--data", str(DATA), "--limit", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[0].startswith("usage: tatblimp score")
+    assert done.stderr.splitlines()[-1] == "tatblimp score: error: argument --limit: must be a whole number of at least 1, got 0"
+    assert time.monotonic() - start < 10  # the parser alone; loading torch and the model is what it spared
+
+
+def error_of(args, capsys) -> str:
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    return err.split(": error: ", 1)[1].rstrip("\n")
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch, capsys):
+    import tatblimp_callback.commands.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    score = ["score", str(model_dir), "--data", str(DATA)]
+    assert error_of([*score, "--output", "/proc/nope/out.json"], capsys) == (
+        "--output /proc/nope/out.json: cannot write in /proc/nope (No such file or directory)"
+    )
+    assert error_of([*score, "--protocol", "forced-choice", "--results", "/proc/nope/answers.jsonl"], capsys) == (
+        "--results /proc/nope/answers.jsonl: cannot write in /proc/nope (No such file or directory)"
+    )
+    assert error_of(["tokenizers", str(model_dir), "--data", str(DATA), "--output", "/proc/1/x.json"], capsys).startswith(
+        "--output /proc/1/x.json: cannot write in /proc/1 ("
+    )
+
+
+def test_the_check_tries_the_folder_and_leaves_nothing_behind(tmp_path):
+    check_output_file(tmp_path / "a" / "b" / "r.json", "--output")  # missing folders: made, written in, removed
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    check_output_file(tmp_path / "kept" / "r.json", "--output")
+    assert [p.name for p in tmp_path.rglob("*")] == ["kept"]
+
+
+def test_compare_and_report_refuse_an_unwritable_output_before_reading_the_runs(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-results.json")  # read after the outputs are checked: its error would come second
+    for option in ("--json", "--markdown", "--plot"):
+        assert error_of(["compare", missing, option, "/proc/nope/x"], capsys) == (
+            f"{option} /proc/nope/x: cannot write in /proc/nope (No such file or directory)"
+        )
+    assert error_of(["report", missing, "--output", "/proc/nope/r.html"], capsys) == (
+        "--output /proc/nope/r.html: cannot write in /proc/nope (No such file or directory)"
+    )
+
+
+def test_sweep_refuses_a_results_file_it_cannot_write_before_any_checkpoint_loads(capsys):
+    # /proc/1 is a folder no file can be made in (even by root): the check, not the sweep's "no checkpoints", answers.
+    assert error_of(["sweep", "/proc/1", "--data", str(DATA)], capsys).startswith(
+        "the results file /proc/1/tatblimp.jsonl: cannot write in /proc/1 ("
+    )
+    assert error_of(["sweep", "org/model", "--revisions", "main", "--results", "/proc/nope/s.jsonl"], capsys) == (
+        "--results /proc/nope/s.jsonl: cannot write in /proc/nope (No such file or directory)"
+    )
