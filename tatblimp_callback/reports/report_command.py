@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from ..reading.option_types import accuracy
+from ..reading.option_types import accuracy, natural_int
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.positions import find_step
 from ..results.runs import Run, load_runs
@@ -42,6 +42,13 @@ def resolve_steps(runs: Sequence[Run], texts: Sequence[str] | None) -> tuple[int
     return steps[0], steps[1]
 
 
+def _step_text(text: str) -> str:
+    """A ``--steps`` value as given (a step, a count, a revision name); a number must be a step (at least 0)."""
+    if text.lstrip("-").isdigit():
+        natural_int(text)
+    return text
+
+
 def add_report_parser(commands) -> None:
     """Add ``tatblimp report`` to the CLI's sub-commands."""
     from ..commands.loading import add_model_arguments
@@ -51,6 +58,7 @@ def add_report_parser(commands) -> None:
     parser.add_argument("--output", required=True, help="the HTML file to write")
     parser.add_argument(
         "--steps",
+        type=_step_text,
         nargs=2,
         metavar=("A", "B"),
         help="test these two steps of each sweep (default: first, last); of a revision series placed by tokens or "
