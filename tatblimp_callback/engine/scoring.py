@@ -24,10 +24,10 @@ import time
 import torch
 
 from ..tokenized.cache import SentenceCache
-from . import distributed
+from . import distributed, head_choice
 from .cells import Cells
 from .forward import model_output, read_logprobs
-from .head_choice import MIN_CHOICE_FLOPS, TILES, HeadChoice, HeadMethod, candidates, method_logprobs
+from .head_choice import TILES, HeadChoice, HeadMethod, candidates
 from .memory_budget import (
     default_memory_budget,
     positions_per_forward,
@@ -252,7 +252,7 @@ class Scorer:
         weight = self._head_weight()
         if distributed.world()[1] > 1:
             self.head.keep(TILES, "several processes (each would time its own)")
-        elif 2 * contexts * weight.shape[0] * weight.shape[1] < MIN_CHOICE_FLOPS:
+        elif 2 * contexts * weight.shape[0] * weight.shape[1] < head_choice.MIN_CHOICE_FLOPS:
             self.head.keep(TILES, "head work too small to time")
         else:
             largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
@@ -398,7 +398,7 @@ class Scorer:
         return logprobs.to(self.cache.device)
 
     def _head_logprobs(self, method: HeadMethod, hidden, contexts, targets) -> torch.Tensor:
-        return method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)
+        return head_choice.method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return model_output(self._forward, self.lm, batch, head, position_ids)
