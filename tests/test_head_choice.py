@@ -134,3 +134,18 @@ def test_chunks_are_cut_to_the_memory_budget_and_to_a_forward_calls_contexts():
         HeadMethod("chunks", 256),
         HeadMethod("chunks", 300),
     ]
+
+
+def test_the_score_command_forces_the_head_method_and_writes_it_and_names_a_wrong_one(model_dir, tmp_path, capsys):
+    import json
+
+    from conftest import DATA
+    from tatblimp_callback.cli import main
+
+    out = tmp_path / "results.json"
+    args = ["score", str(model_dir), "--data", str(DATA), "--limit", "2", "--device", "cpu", "--output", str(out)]
+    assert main([*args, "--head-method", "chunks:5", "--row-length", "64"]) == 0
+    results = json.loads(out.read_text())
+    assert results["head_method"] == "chunks:5" and results["head_choice"] == {"head_method": "chunks:5", "chosen_by": "given"}
+    assert main([*args, "--head-method", "chunk:5"]) != 0
+    assert "unknown head method 'chunk:5': expected 'tiles' or 'chunks:N'" in capsys.readouterr().err
