@@ -149,3 +149,17 @@ def test_the_score_command_forces_the_head_method_and_writes_it_and_names_a_wron
     assert results["head_method"] == "chunks:5" and results["head_choice"] == {"head_method": "chunks:5", "chosen_by": "given"}
     assert main([*args, "--head-method", "chunk:5"]) != 0
     assert "unknown head method 'chunk:5': expected 'tiles' or 'chunks:N'" in capsys.readouterr().err
+
+
+def test_a_candidate_timed_on_one_piece_only_is_not_kept_however_fast_it_looked():
+    chunks = HeadMethod("chunks", 256)
+    for pieces, kept in ((1, "tiles"), (head_choice.ROUNDS, "chunks:256")):
+        choice = head_choice.HeadChoice()
+        choice.start([head_choice.TILES, chunks], 10_000, 20_000, 0.0, RTOL, lambda: None)
+        for method, rate, n in ((head_choice.TILES, 4e-3, 2), (chunks, 1.5e-3, pieces)):
+            timing = choice._plan["timings"][method]
+            timing.pieces, timing.best_rate, timing.contexts, timing.exact = n, rate, 256 * n, True
+            timing.seconds = rate * timing.contexts
+        choice._plan["body_rate"] = 1e-4
+        choice.finish()
+        assert str(choice.method) == kept and choice.record["head_method"] == kept, pieces
