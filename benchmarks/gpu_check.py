@@ -7,7 +7,9 @@ On the device machine (bf16, the 478M TATlit shape):
 It measures, in one process:
 
 1. one full TatBLiMP evaluation with ``tatblimp_callback.Scorer`` (after its one-time method
-   check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta); and
+   check): min time over repeats and the peak extra memory (``max_memory_allocated`` delta); the LM
+   head's method its first evaluation chose by timing (``head_choice.chosen``: each candidate's seconds
+   per 1,000 contexts) and every candidate forced, a whole evaluation each (``head_choice.forced_seconds``); and
    the same on packed rows, for what the prefix-tree rows gain or cost on this device;
 2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
    same sentences and model, its time, peak memory and per-sentence agreement with ours;
@@ -68,6 +70,7 @@ from bench_scoring import (
 )
 
 from tatblimp_callback import Scorer, ScoringMethod, build_cache, load_benchmark
+from tatblimp_callback.engine.head_choice import candidates
 
 TARGET_EVAL_SECONDS = 0.1
 TARGET_SPEEDUP = 20.0
@@ -141,6 +144,20 @@ def main(argv: list[str] | None = None) -> dict:
     scorer = Scorer(model, cache)
     ours, report["ours"] = measure_scorer(scorer, device, args.repeats, full_logits)
     seconds, peak = report["ours"]["seconds"], report["ours"]["peak_extra_bytes"]
+
+    # The LM head's method: what the first evaluation chose by timing, and each candidate forced, timed alike.
+    report["head_choice"] = {"chosen": scorer.head_choice, "forced_seconds": {}, "max_abs_diff_vs_ours": {}}
+    if scorer.head_method is not None:
+        weight = scorer.lm.get_output_embeddings().weight
+        largest = max(b.score_positions.numel() for b in scorer.layout().batches)
+        for method in candidates(weight.device, weight.shape[0], weight.dtype, scorer.memory_budget, largest):
+            forced = Scorer(model, cache, head_method=method)
+            forced.score()  # its method check
+            forced_scores, forced_seconds, _ = timed(forced.score, device, args.repeats)
+            report["head_choice"]["forced_seconds"][str(method)] = forced_seconds
+            report["head_choice"]["max_abs_diff_vs_ours"][str(method)] = float((forced_scores - ours).abs().max())
+            del forced
+    save(report, args.json)
 
     # The same evaluation on packed rows: what prefix trees gain (or cost, with sdpa's masked kernel) here.
     packed = Scorer(model, cache, method=ScoringMethod("packed", scorer.method.head))

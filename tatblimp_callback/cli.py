@@ -116,6 +116,8 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         allow_modified=args.allow_modified,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
+        head_method=getattr(args, "head_method", None),
+        row_length=getattr(args, "row_length", None),
         suites=suites,
         include_tokens=getattr(args, "include_tokens", False),
         **backend_options(args),

@@ -70,6 +70,9 @@ class Evaluator:
         truncate: cut sentences longer than the model's context instead of raising.
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.
+        head_method: force how the LM head gives log-probs ("tiles" or "chunks:N"); default: timed at the
+            first evaluation, the fastest exact one kept (``engine/head_choice.py``).
+        row_length: positions per row (default: ``scoring.DEFAULT_ROW_LENGTH``, at least the longest sentence).
         cache_path: a safetensors file to load the cache from, or to save it to once built (each suite's
             next to it, as ``<stem>.<name><suffix>``).
         suites: more suites to score in the same pass, ``{name: path or Suite}`` (a path is read with
@@ -96,6 +99,8 @@ class Evaluator:
         memory_budget: int | None = None,
         truncate: bool = False,
         method: ScoringMethod | str | None = None,
+        head_method: str | None = None,
+        row_length: int | None = None,
         cache_path: str | os.PathLike | None = None,
         suites: Mapping[str, Suite | str | os.PathLike] | None = None,
         include_tokens: bool = False,
@@ -114,6 +119,8 @@ class Evaluator:
         self.memory_budget = memory_budget
         self.truncate = truncate
         self.method = method
+        self.head_method = head_method
+        self.row_length = row_length
         self.cache_path = cache_path
         self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (suites or {}).items()}
         self._parts: list[tuple[str | None, SentenceCache, int]] = []  # (suite name or None, its cache, first sentence)
@@ -151,7 +158,10 @@ class Evaluator:
             ]
             return (concat_caches(caches) if len(caches) > 1 else caches[0]).to(device)
 
-        scorer = scorer_for(self, model, build, memory_budget=self.memory_budget, truncate=self.truncate, method=self.method)
+        options = dict(memory_budget=self.memory_budget, truncate=self.truncate, method=self.method, head_method=self.head_method)
+        if self.row_length is not None:
+            options["row_length"] = self.row_length
+        scorer = scorer_for(self, model, build, **options)
         scorer.keep_token_logprobs = self.include_tokens
         return scorer
 
@@ -286,6 +296,8 @@ def timed_score(
     return logprobs, {
         "backend": "transformers",
         "scoring_method": str(scorer.method),
+        "head_method": None if scorer.head_method is None else str(scorer.head_method),
+        "head_choice": scorer.head_choice,
         "seconds": seconds,
         "padding_share": layout.padding_share,
         "saved_by_prefix_sharing": layout.saved_by_prefix_sharing,

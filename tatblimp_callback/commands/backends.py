@@ -20,6 +20,8 @@ _TRANSFORMERS_ONLY = {
     "tp_plan": "--tp-plan",
     "attn_implementation": "--attn-implementation",
     "memory_budget_mb": "--memory-budget-mb",
+    "head_method": "--head-method",
+    "row_length": "--row-length",
 }
 _VLLM_ONLY = {
     "tensor_parallel_size": "--tensor-parallel-size",

@@ -68,6 +68,8 @@ class CheckpointScorer:
                 allow_modified=self.options.allow_modified,
                 memory_budget=budget * 2**20 if budget else None,
                 truncate=self.options.truncate,
+                head_method=self.options.head_method,
+                row_length=self.options.row_length,
                 suites=self.suites,
                 backend=options.backend,
                 vllm_options=options.vllm_options,

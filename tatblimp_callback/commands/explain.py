@@ -221,6 +221,8 @@ def run_explain(args: argparse.Namespace, stream: Any = None) -> None:
         prefix_token_id=args.prefix_token_id,
         memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None,
         truncate=args.truncate,
+        head_method=args.head_method,
+        row_length=args.row_length,
     )
     if worst:
         indices = sorted(scored, key=lambda i: normalised_margin(scored[i][0]))[: args.worst]

@@ -36,6 +36,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
     parser.add_argument("--memory-budget-mb", type=positive_int, help="extra memory one evaluation may use")
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
+    parser.add_argument(
+        "--head-method",
+        metavar="M",
+        help="how the LM head gives log-probs: tiles or chunks:N (default: timed at the first evaluation, the fastest kept)",
+    )
+    parser.add_argument("--row-length", type=int, metavar="N", help="positions per row of the forward calls (default: 256)")
     add_placement_arguments(parser)
     add_backend_arguments(parser)
 

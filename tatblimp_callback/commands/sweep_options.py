@@ -56,6 +56,12 @@ class SweepOptions:
     truncate: bool = False
     """Cut sentences longer than the model's context instead of failing."""
 
+    head_method: str | None = None
+    """How the LM head gives log-probs, "tiles" or "chunks:N"; None: timed at the first evaluation."""
+
+    row_length: int | None = None
+    """Positions per row of the forward calls; None: the engine's default (256)."""
+
     suite: list[str] = field(default_factory=list)
     """More suites scored in the same pass, ``NAME=PATH`` each (as ``score --suite``); each record gets
     ``"suites": {name: results}``. A results file holds one set of suites: a rerun with others is refused."""

@@ -24,9 +24,10 @@ import time
 import torch
 
 from ..tokenized.cache import SentenceCache
-from . import distributed
+from . import distributed, head_choice
 from .cells import Cells
 from .forward import model_output, read_logprobs
+from .head_choice import TILES, HeadChoice, HeadMethod, candidates
 from .memory_budget import (
     default_memory_budget,
     positions_per_forward,
@@ -73,6 +74,8 @@ class Scorer:
             None sets it from free device memory (a quarter of it on a GPU, 512 MiB on a CPU),
             and never above a tenth of the float32 logits of all the cached tokens.
         row_length: positions per row.
+        head_method: force how the LM head gives log-probs (``"tiles"`` or ``"chunks:N"``, see ``head_choice``),
+            never timed; None times the candidates at the first evaluation and keeps the fastest exact one.
         method: force a ``ScoringMethod`` (or a layout: "tree", "packed", "padded"), never checked;
             None chooses the fastest that matches a plain forward, and checks it again later.
         truncate: cut sentences longer than the model's context instead of raising; the number
@@ -104,6 +107,7 @@ class Scorer:
         method: ScoringMethod | str | None = None,
         truncate: bool = False,
         keep_token_logprobs: bool = False,
+        head_method: str | HeadMethod | None = None,
     ):
         self.model = model
         self.lm = unwrap_model(model)
@@ -141,6 +145,7 @@ class Scorer:
         self.oom_retries = 0
         self._built_dtype = self._dtype()
         self.keep_token_logprobs = keep_token_logprobs
+        self.head = HeadChoice(forced=None if head_method is None else HeadMethod.parse(head_method))
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
@@ -219,10 +224,44 @@ class Scorer:
         self.check.when_due()  # its sample is laid out within the budget too
         self.setup_seconds["method_check"] = time.perf_counter() - start - self.setup_seconds["plan"]
         self._token_cells = None  # freed before this evaluation's own cells are made
+        self._start_head_choice(sequences)
         cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
+        self.head.finish()
         if self.keep_token_logprobs and not self.cache.answer_ids:
             self._token_cells = cells
         return self.cells.reduce(cells).cpu()
+
+    @property
+    def head_method(self) -> HeadMethod | None:
+        """How the LM head gives log-probs (``head_choice``): None with the model's own logits, or before it is chosen."""
+        return self.head.method if self.method is not None and self.method.head == "tiled" else None
+
+    @property
+    def head_choice(self) -> dict | None:
+        """What the head method was chosen by, and the candidates' timings where they were timed (for the results)."""
+        return self.head.record if self.head_method is not None else None
+
+    def _start_head_choice(self, sequences: range | list[int] | None) -> None:
+        """At the first evaluation with the tiled head, time the head's candidates on it (``head_choice``)."""
+        if self.method.head != "tiled" or self.head.method is not None:
+            return
+        layout = self._layout(self.method, sequences, keep=True)
+        contexts = layout.total_positions - layout.padded_positions
+        if self.cache.answer_ids:
+            contexts = len(layout.batches.rows.order)
+        weight = self._head_weight()
+        if distributed.world()[1] > 1:
+            self.head.keep(TILES, "several processes (each would time its own)")
+        elif 2 * contexts * weight.shape[0] * weight.shape[1] < head_choice.MIN_CHOICE_FLOPS:
+            self.head.keep(TILES, "head work too small to time")
+        else:
+            largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
+            methods = candidates(weight.device, weight.shape[0], weight.dtype, self.memory_budget, largest)
+            sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+            setup = sum(self.setup_seconds.values())
+            self.head.start(
+                methods, contexts, layout.total_positions, setup, relative_tolerance(self._dtype(), weight.device), sync
+            )
 
     def token_logprobs(self) -> list[list[float]]:
         """Every scored token's log-prob from the latest ``score()`` (with ``keep_token_logprobs``), per sentence in cache order.
@@ -339,12 +378,27 @@ class Scorer:
 
     def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
         """log p(target | context) of every (context, target) the batch scores, in float32, on the cache's device."""
+        if head != "tiled":
+            return read_logprobs(self.lm, self._model_output(batch, head), batch, head, None, None).to(self.cache.device)
+        device = self._head_weight().device
+        choosing = self.head.choosing
+        if choosing and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         output = self._model_output(batch, head)
-        weight = self._head_weight() if head == "tiled" else None
-        tile = self.head_tile if head == "tiled" else None
-        return read_logprobs(self.lm, output, batch, head, tile, weight.device if weight is not None else None).to(
-            self.cache.device
-        )
+        # Under a device map the head may sit on another device than the last layer and the cache.
+        hidden, contexts, targets = output.to(device), batch.score_contexts.to(device), batch.score_targets.to(device)
+        if choosing:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            body = (time.perf_counter() - start, batch.num_positions)
+            logprobs = self.head.batch_logprobs(self._head_logprobs, hidden, contexts, targets, body)
+        else:
+            logprobs = self._head_logprobs(self.head.method or TILES, hidden, contexts, targets)
+        return logprobs.to(self.cache.device)
+
+    def _head_logprobs(self, method: HeadMethod, hidden, contexts, targets) -> torch.Tensor:
+        return head_choice.method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return model_output(self._forward, self.lm, batch, head, position_ids)

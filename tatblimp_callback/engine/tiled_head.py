@@ -101,8 +101,41 @@ def _one_tile_logprobs(hidden, weight, bias, cap, contexts: torch.Tensor, target
     logprobs = logits.log_softmax(-1)[contexts, targets]
     # log_softmax is NaN throughout a row with a logit of inf; the tiled path's difference is -inf there
     # for every target whose own logit is not inf (a row with a NaN has the maximum NaN: NaN in both).
-    in_infinite_row = (logits.amax(-1)[contexts] == float("inf")) & (logits[contexts, targets] != float("inf"))
-    return logprobs.masked_fill_(in_infinite_row, float("-inf"))
+    # Only a NaN log-prob can be such a row's, so the rows' maxima are read for those alone.
+    nan = logprobs.isnan()
+    if bool(nan.any()):
+        rows, wanted = contexts[nan], targets[nan]
+        in_infinite_row = (logits[rows].amax(-1) == float("inf")) & (logits[rows, wanted] != float("inf"))
+        logprobs[nan] = torch.where(in_infinite_row, float("-inf"), logprobs[nan])
+    return logprobs
+
+
+def chunked_logprobs(
+    lm: torch.nn.Module, hidden: torch.Tensor, contexts: torch.Tensor, targets: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """``head_logprobs`` by whole-vocabulary chunks: ``rows`` contexts at a time, their float32 ``log_softmax``
+    over the whole vocabulary, and each target's log-prob gathered from it (no separate target-logit products).
+
+    The same numbers as one tile of the whole batch, row for row (``log_softmax`` works on each row alone).
+    """
+    head = lm.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    if hidden.shape[0] <= rows:
+        return _one_tile_logprobs(hidden, weight, bias, cap, contexts, targets)
+    order = torch.argsort(contexts, stable=True)
+    ordered = contexts[order]
+    starts = torch.arange(0, hidden.shape[0] + rows, rows, device=contexts.device).clamp_(max=hidden.shape[0])
+    bounds = torch.searchsorted(ordered, starts).tolist()
+    logprobs = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
+    for chunk, start in enumerate(range(0, hidden.shape[0], rows)):
+        lo, hi = bounds[chunk], bounds[chunk + 1]
+        if lo == hi:
+            continue
+        pick = order[lo:hi]
+        part = hidden[start : start + rows]
+        logprobs[pick] = _one_tile_logprobs(part, weight, bias, cap, ordered[lo:hi] - start, targets[pick])
+    return logprobs
 
 
 def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:

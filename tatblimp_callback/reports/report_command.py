@@ -108,6 +108,8 @@ def run_report(args: argparse.Namespace) -> None:
             report_pairs(runs, steps),
             prefix_token_id=args.prefix_token_id,
             truncate=args.truncate,
+            head_method=args.head_method,
+            row_length=args.row_length,
         )
     path = write_report(
         args.output,

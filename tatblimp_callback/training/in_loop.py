@@ -157,6 +157,8 @@ class InLoopMonitor:
                     allow_modified=s.allow_modified,
                     memory_budget=s.memory_budget,
                     truncate=s.truncate,
+                    head_method=s.head_method,
+                    row_length=s.row_length,
                     cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
                     suites=s.suites,
                 )

@@ -107,6 +107,12 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     truncate: bool = False
     """Cut sentences longer than the model's context (counted) instead of failing."""
 
+    head_method: str | None = None
+    """How the LM head gives log-probs, "tiles" or "chunks:N"; None: timed at the first evaluation (the fastest exact one)."""
+
+    row_length: int | None = None
+    """Positions per row of the log-prob protocol's forward calls; None: the engine's default (256)."""
+
     log_prefix: str = "tatblimp"
     """Prefix of every logged key."""
 
