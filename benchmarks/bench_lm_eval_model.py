@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_scoring import SHAPES, load_converted_tokenizer, make_model, peak_extra_memory, timed  # noqa: E402
+from bench_scoring import SHAPES, load_converted_tokenizer, machine_info, make_model, peak_extra_memory, timed  # noqa: E402
 
 SHARED = Path(os.environ.get("TATBLIMP_SHARED", REPO.parent / "shared"))
 
@@ -141,13 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = {"hf": HFLM(batch_size=args.batch_size, **common), "tatblimp": register()(**common)}
     report = {
         "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "lm_eval": __import__("lm_eval").__version__,
-            "date": time.strftime("%Y-%m-%d"),
+            **machine_info(device, lm_eval=__import__("lm_eval").__version__),
             "load_before": list(os.getloadavg()),
         },
         "shape": args.shape,

@@ -298,6 +298,19 @@ def body_seconds(model, layout, device: torch.device, repeats: int) -> float:
 # -- the run ----------------------------------------------------------------------------------------
 
 
+def machine_info(device: torch.device, **versions: str) -> dict:
+    """Where a benchmark ran: platform, processor, threads, device, torch (and ``versions``), date."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        **versions,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl", help="TatBLiMP test.jsonl")
@@ -330,14 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
     report: dict = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-        },
+        "machine": machine_info(device),
         "model_shape": args.model_shape,
         "dtype": str(dtype).replace("torch.", ""),
     }
