@@ -304,7 +304,8 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
         body.append(f'<div class="row">{"".join(charts)}</div>')
         body.append(f"<h2>acc_norm per phenomenon and {escape(axis)}</h2>")
         body.append(
-            f'<div class="meta">Outlined: the acquisition {escape(axis)} (acc_norm reaches {threshold} and stays there).</div>'
+            f'<div class="meta">Outlined: the acquisition {"step" if axis == "step" else "point"} (acc_norm reaches {threshold} '
+            f"and stays there).</div>"
         )
         maps = []
         for k, run in enumerate(sweeps):
