@@ -40,7 +40,10 @@ def test_score_and_sweep_load_an_adapter_checkpoint_on_its_base_model(lora_run, 
     base, checkpoint, model = lora_run
     expected = evaluate(model, bpe_tokenizer, small_data, allow_modified=True)
     plain_base = evaluate(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, small_data, allow_modified=True)
-    assert [p.good_logprob for p in plain_base.pairs] != [p.good_logprob for p in expected.pairs]  # the adapter counts
+    # The adapter counts: 7.2 nats a sentence on average (2026-12-02), so a score within 1e-4 of `expected` (here and
+    # in the device-map test below, where torch warns of copies to meta parameters) has the adapter applied.
+    gaps = [abs(a.good_logprob - b.good_logprob) for a, b in zip(plain_base.pairs, expected.pairs)]
+    assert sum(gaps) / len(gaps) > 1.0
 
     out = tmp_path / "score.json"
     data = ["--data", str(small_data), "--allow-modified", "--device", "cpu"]
