@@ -1,7 +1,8 @@
 """How often the regression alerts fire on runs that do not regress, how fast they find a real fall, and how often
 the fitted acquisition intervals hold the true midpoint: all by simulation, with the defaults (alert_q 0.05, a
 5-point drop; 200 bootstrap draws), for the three alert modes (pooled, the default; per_run, the default before
-it; per_evaluation).
+it; per_evaluation) and for the pooled mode planned for the run's own number of evaluations (pooled_planned:
+``alert_budget.planned_share``, 0.9 of alert_q spread evenly, the reserve kept).
 
 Runs have TatBLiMP's shape (its 16 phenomena with their real pair counts, 1,248 pairs, and the overall score).
 Every pair has its own pass probability, drawn once from a Beta around 0.7, and a noise model says how the
@@ -30,7 +31,11 @@ that level, and a p-value above it changes no alert, Holm's included); the test 
 
 On a busy machine a run can be stopped and started again with ``--reuse`` naming what the first printed (its
 JSON lines) or wrote: each configuration has its own seeded generator, so the figures already measured are the
-ones a run from the start would give, and the JSON names them under ``reused``.
+ones a run from the start would give, and the JSON names them under ``reused``. ``--modes`` measures some modes
+only (the simulated outcomes do not depend on the modes), and ``--add-to`` keeps an earlier JSON's figures of the
+other modes beside them, row by row:
+
+    python benchmarks/bench_alert_false_alarms.py --modes pooled_planned --add-to benchmarks/results/alert_false_alarms.json --json out.json
 """
 
 from __future__ import annotations

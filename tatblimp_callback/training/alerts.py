@@ -6,8 +6,9 @@ outcomes) to ``regressions.RegressionMonitor``; each alert it raises is a warnin
 is active, ``run.alert(title, text, level=WARN)`` (wandb's email or Slack notification). An error here is
 logged and never stops training. ``plan``, the run's planned number of evaluations (the callback's, from the
 Trainer's ``max_steps``), goes to the monitor with each evaluation and into each record (``alert_plan``), so that a
-replay of the file spends the run's budget as the callback did. It also keeps TatBLiMP's outcomes of every evaluation, from which the end of
-training fits each phenomenon's acquisition and reads its trend (``learning.py``).
+replay of the file spends the run's budget as the callback did. It also keeps TatBLiMP's outcomes of every
+evaluation, from which the end of training fits each phenomenon's acquisition and reads its trend
+(``learning.py``).
 """
 
 from __future__ import annotations
