@@ -1,7 +1,8 @@
 """How often the regression alerts fire on runs that do not regress, how fast they find a real fall, and how often
 the fitted acquisition intervals hold the true midpoint: all by simulation, with the defaults (alert_q 0.05, a
 5-point drop; 200 bootstrap draws), for the three alert modes (pooled, the default; per_run, the default before
-it; per_evaluation).
+it; per_evaluation) and for the pooled mode planned for the run's own number of evaluations (pooled_planned:
+``alert_budget.planned_share``, 0.9 of alert_q spread evenly, the reserve kept).
 
 Runs have TatBLiMP's shape (its 16 phenomena with their real pair counts, 1,248 pairs, and the overall score).
 Every pair has its own pass probability, drawn once from a Beta around 0.7, and a noise model says how the
@@ -30,7 +31,11 @@ that level, and a p-value above it changes no alert, Holm's included); the test 
 
 On a busy machine a run can be stopped and started again with ``--reuse`` naming what the first printed (its
 JSON lines) or wrote: each configuration has its own seeded generator, so the figures already measured are the
-ones a run from the start would give, and the JSON names them under ``reused``.
+ones a run from the start would give, and the JSON names them under ``reused``. ``--modes`` measures some modes
+only (the simulated outcomes do not depend on the modes), and ``--add-to`` keeps an earlier JSON's figures of the
+other modes beside them, row by row:
+
+    python benchmarks/bench_alert_false_alarms.py --modes pooled_planned --add-to benchmarks/results/alert_false_alarms.json --json out.json
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from tatblimp_callback.results.regressions import DEFAULT_ALERT_Q, DEFAULT_MIN_D
 from tatblimp_callback.results.stats import encode_outcomes, wilson_interval
 
 NOISE_MODELS = ("redraw_all", "redraw_fifth", "drift")
-MODES = ("pooled", "per_run", "per_evaluation")
+MODES = ("pooled", "per_run", "per_evaluation", "pooled_planned")  # the last: pooled, the run's length planned
 SCREEN = 100  # the margin of the normal approximation's screen (see the module's docstring)
 
 
@@ -79,8 +84,10 @@ class Monitors:
     """The modes' monitors over ``runs`` runs at once, fed one evaluation (runs x pairs booleans) at a time; the
     same rules as ``RegressionMonitor`` for outcomes that are all finite."""
 
-    def __init__(self, groups: np.ndarray, runs: int, alpha=DEFAULT_ALERT_Q, min_drop=DEFAULT_MIN_DROP):
-        self.groups, self.alpha, self.min_drop = groups, alpha, min_drop
+    def __init__(self, groups, runs, planned, modes=MODES, alpha=DEFAULT_ALERT_Q, min_drop=DEFAULT_MIN_DROP, reserve=None):
+        self.groups, self.alpha, self.min_drop, self.modes = groups, alpha, min_drop, modes
+        self.planned = planned  # the planned comparisons of pooled_planned (the run's evaluations - 1)
+        self.reserve = alert_budget.PLAN_RESERVE if reserve is None else reserve
         self.matrix = groups.astype(np.float32)  # float sums of 0/1 and small integers: exact, and on BLAS
         self.sizes = groups.sum(0)
         self.phenomenon = groups[:, 1:].argmax(1)
@@ -88,7 +95,7 @@ class Monitors:
         self.best_score = np.full((runs, groups.shape[1]), -1.0)
         self.best_phenomena = self.best_overall = None  # outcomes of each group's best
         self.recent: list[np.ndarray] = []  # the last evaluations, oldest first
-        self.fallen = {mode: np.zeros((runs, groups.shape[1]), bool) for mode in MODES}
+        self.fallen = {mode: np.zeros((runs, groups.shape[1]), bool) for mode in modes}
 
     def _sum(self, values: np.ndarray) -> np.ndarray:
         return np.rint(values.astype(np.float32) @ self.matrix).astype(np.int64)
@@ -119,7 +126,7 @@ class Monitors:
     def observe(self, passed: np.ndarray) -> dict[str, np.ndarray]:
         """The alerts of this evaluation (runs x groups booleans) of each mode."""
         earlier, self.evaluations = self.evaluations, self.evaluations + 1
-        alerts = {mode: np.zeros(self.best_score.shape, bool) for mode in MODES}
+        alerts = {mode: np.zeros(self.best_score.shape, bool) for mode in self.modes}
         self.recent = [*self.recent[-5:], passed]
         if earlier:
             b, c = self._counts(self.best_phenomena, self.best_overall, passed)
@@ -128,19 +135,27 @@ class Monitors:
             previous = self.recent[-2]
             bp, cp = self._counts(previous, previous, passed)
             p_previous = np.where((bp - cp) / self.sizes >= self.min_drop, alert_budget.fall_p_value(bp, cp), 1.0)
-            q = alert_budget.run_q_values(alert_budget.group_p_value(p_previous, p_best, earlier), earlier)
-            alerts["per_run"] = q <= self.alpha
-            level = self.alpha * alert_budget.look_share(earlier)
-            windows = [p_previous] + [
-                self._window_p_values(w, weight * level)
-                for w, weight in zip(alert_windows.WINDOWS[1:], alert_budget.WINDOW_WEIGHTS[1:])
-            ]
-            pooled = alert_budget.pooled_group_p_value(windows, p_best, earlier)
-            alerts["pooled"] = alert_budget.run_q_values(pooled, earlier) <= self.alpha
-            two_sided = np.where(b == c, 1.0, np.minimum(1.0, 2 * binom.cdf(np.minimum(b, c), b + c, 0.5)))
-            q_bh = false_discovery_control(np.minimum(1.0, two_sided * earlier), axis=-1, method="bh")
-            alerts["per_evaluation"] = (q_bh < self.alpha) & (drop >= self.min_drop)
-            for mode in MODES:
+            share = alert_budget.look_share(earlier)
+            if "per_run" in self.modes:
+                q = alert_budget.run_q_values(alert_budget.group_p_value(p_previous, p_best, earlier), share)
+                alerts["per_run"] = q <= self.alpha
+            planned_share = alert_budget.planned_share(earlier, self.planned, self.reserve)
+            shares = {"pooled": share, "pooled_planned": planned_share}
+            shares = {mode: value for mode, value in shares.items() if mode in self.modes}
+            if shares:
+                level = self.alpha * max(shares.values())  # the screen's: the most that any alert could need
+                windows = [p_previous] + [
+                    self._window_p_values(w, weight * level)
+                    for w, weight in zip(alert_windows.WINDOWS[1:], alert_budget.WINDOW_WEIGHTS[1:])
+                ]
+                pooled = alert_budget.pooled_group_p_value(windows, p_best, earlier)
+                for mode, value in shares.items():
+                    alerts[mode] = alert_budget.run_q_values(pooled, value) <= self.alpha
+            if "per_evaluation" in self.modes:
+                two_sided = np.where(b == c, 1.0, np.minimum(1.0, 2 * binom.cdf(np.minimum(b, c), b + c, 0.5)))
+                q_bh = false_discovery_control(np.minimum(1.0, two_sided * earlier), axis=-1, method="bh")
+                alerts["per_evaluation"] = (q_bh < self.alpha) & (drop >= self.min_drop)
+            for mode in self.modes:
                 fallen = self.fallen[mode]
                 alerts[mode] &= ~fallen
                 self.fallen[mode] = np.where(fallen, drop >= self.min_drop / 2, alerts[mode])
@@ -155,9 +170,10 @@ class Monitors:
         return alerts
 
 
-def simulate(groups, index, runs, evaluations, noise, rng, fall=None) -> dict[str, np.ndarray]:
+def simulate(groups, index, runs, evaluations, noise, rng, fall=None, modes=MODES) -> dict[str, np.ndarray]:
     """Each mode's alerts of ``runs`` runs (evaluations x runs x groups booleans). ``fall``: (group, at, to):
-    that group (0: overall) falls at evaluation ``at`` to ``to`` times its mean, as the module's docstring says."""
+    that group (0: overall) falls at evaluation ``at`` to ``to`` times its mean, as the module's docstring says.
+    ``pooled_planned`` plans the run's ``evaluations``."""
     n = groups.shape[0]
     base = rng.beta(7, 3, (runs, n))
     falling = np.ones(n, bool) if fall and fall[0] == 0 else None
@@ -167,8 +183,8 @@ def simulate(groups, index, runs, evaluations, noise, rng, fall=None) -> dict[st
     phase = rng.uniform(0, 2 * np.pi, (runs, groups.shape[1] - 1))
     logit = np.log(base / (1 - base))
     passed = rng.random((runs, n)) < base
-    monitors = Monitors(groups, runs)
-    found = {mode: np.zeros((evaluations, runs, groups.shape[1]), bool) for mode in MODES}
+    monitors = Monitors(groups, runs, evaluations - 1, modes)
+    found = {mode: np.zeros((evaluations, runs, groups.shape[1]), bool) for mode in modes}
     for e in range(evaluations):
         if e:
             p = base
@@ -192,13 +208,13 @@ def rate(count: int, total: int) -> dict:
     return {"count": int(count), "of": int(total), "rate": count / total, "interval": [low, high]}
 
 
-def false_alarms(groups, index, runs, evaluations, noise, seed, chunk) -> dict:
+def false_alarms(groups, index, runs, evaluations, noise, seed, chunk, modes=MODES) -> dict:
     rng = np.random.default_rng([seed, evaluations, NOISE_MODELS.index(noise)])
-    alarmed = dict.fromkeys(MODES, 0)
-    evaluation_alarms = dict.fromkeys(MODES, 0)
+    alarmed = dict.fromkeys(modes, 0)
+    evaluation_alarms = dict.fromkeys(modes, 0)
     for start in range(0, runs, chunk):
-        found = simulate(groups, index, min(chunk, runs - start), evaluations, noise, rng)
-        for mode in MODES:
+        found = simulate(groups, index, min(chunk, runs - start), evaluations, noise, rng, modes=modes)
+        for mode in modes:
             alarmed[mode] += int(found[mode].any(axis=(0, 2)).sum())
             evaluation_alarms[mode] += int(found[mode].any(axis=2).sum())
     return {
@@ -209,28 +225,28 @@ def false_alarms(groups, index, runs, evaluations, noise, seed, chunk) -> dict:
                 "runs_with_an_alert": rate(alarmed[mode], runs),
                 "evaluations_with_an_alert": rate(evaluation_alarms[mode], runs * (evaluations - 1)),
             }
-            for mode in MODES
+            for mode in modes
         },
     }
 
 
-def detection(groups, index, names, runs, at, what, noise, seed, chunk, after=3) -> dict:
+def detection(groups, index, names, runs, at, what, noise, seed, chunk, modes=MODES, after=3) -> dict:
     """Delays of the alert of a fall at evaluation ``at``: ``what`` is "0.5" or "0.7" (a phenomenon of 80 pairs
     from 0.90) or "overall -5" (every pair's pass probability scaled so that the overall mean loses 5 points)."""
     sizes = groups.sum(0)
     group = 0 if what == "overall -5" else int(np.flatnonzero(sizes[1:] == 80)[0]) + 1
     to = (1 - 0.05 / 0.7) if group == 0 else float(what) / 0.9
     rng = np.random.default_rng([seed, at, NOISE_MODELS.index(noise), group])
-    delays = {mode: [] for mode in MODES}
+    delays = {mode: [] for mode in modes}
     for start in range(0, runs, chunk):
-        found = simulate(groups, index, min(chunk, runs - start), at + after + 1, noise, rng, fall=(group, at, to))
-        for mode in MODES:
+        found = simulate(groups, index, min(chunk, runs - start), at + after + 1, noise, rng, (group, at, to), modes)
+        for mode in modes:
             alerted = found[mode][:, :, group]
             before = alerted[:at].any(0)
             first = np.where(alerted[at:].any(0), alerted[at:].argmax(0), -1)
             delays[mode] += [-2 if b else int(f) for b, f in zip(before, first)]  # -2: alerted before the fall
     out = {"fall": what, "group": names[group], "pairs": int(sizes[group]), "at": at, "noise": noise}
-    for mode in MODES:
+    for mode in modes:
         d = np.array(delays[mode])
         out[mode] = {
             "at_the_fall": rate(int((d == 0).sum()), runs),
@@ -275,11 +291,12 @@ def reusable(paths: list[str]) -> dict:
 
 
 def _key(row: dict) -> tuple:
-    if "fall" in row:
-        return ("detection", row["fall"], row["noise"], row["at"], row["pooled"]["at_the_fall"]["of"])
     if "histories" in row:
         return ("coverage", row["histories"], row["pairs"])
-    return ("false_alarms", row["noise"], row["evaluations"], row["pooled"]["runs_with_an_alert"]["of"])
+    counts = next(row[mode] for mode in MODES if mode in row)
+    if "fall" in row:
+        return ("detection", row["fall"], row["noise"], row["at"], counts["at_the_fall"]["of"])
+    return ("false_alarms", row["noise"], row["evaluations"], counts["runs_with_an_alert"]["of"])
 
 
 def main() -> None:
@@ -289,6 +306,11 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 100, 500])
     parser.add_argument("--detection-runs", type=int, default=1000, help="runs of each fall (fewer for a fall at 500)")
     parser.add_argument("--detection-runs-late", type=int, default=300, help="runs of each fall at the 500th evaluation")
+    parser.add_argument("--noises", nargs="+", default=list(NOISE_MODELS), choices=NOISE_MODELS)
+    parser.add_argument("--falls", nargs="+", default=["0.5", "0.7", "overall -5"], help="the falls detected")
+    parser.add_argument("--no-false-alarms", action="store_true", help="the detection figures only")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="the modes measured")
+    parser.add_argument("--reserve", type=float, help="pooled_planned's reserve (default: the package's)")
     parser.add_argument("--histories", type=int, default=200)
     parser.add_argument("--pairs", type=int, default=78, help="pairs a phenomenon in the coverage histories")
     parser.add_argument("--bootstrap", type=int, default=200)
@@ -299,8 +321,15 @@ def main() -> None:
     parser.add_argument(
         "--reuse", nargs="+", default=[], help="take the figures of the same configuration from these earlier outputs"
     )
+    parser.add_argument(
+        "--add-to", help="an earlier --json file: its figures of the other modes are kept, row by row, beside these"
+    )
     args = parser.parse_args()
+    if args.reserve is not None:
+        alert_budget.PLAN_RESERVE = args.reserve  # Monitors reads it (a measurement of the split, not a default)
+    modes = tuple(args.modes)
     earlier = reusable(args.reuse)
+    base = reusable([args.add_to]) if args.add_to else {}
     groups, index, names = membership(phenomenon_of_each_pair(args.data))
     start = time.perf_counter()
     figures = {
@@ -313,56 +342,48 @@ def main() -> None:
             "seed": args.seed,
             "pooled_window_weights": list(alert_budget.WINDOW_WEIGHTS),
             "pooled_best_weight": alert_budget.BEST_WEIGHT,
+            "planned_reserve": alert_budget.PLAN_RESERVE,
         },
+        "modes_measured": list(modes),
         "false_alarms": [],
         "detection": [],
         "reused": [],
     }
+    if args.add_to:
+        with open(args.add_to, encoding="utf-8") as handle:
+            old = json.load(handle)
+        figures["other_modes_from"] = {
+            "file": args.add_to,
+            **{k: old.get(k) for k in ("date", "seconds", "machine", "load_before", "load_after")},
+        }
 
     def measured(key, compute, *arguments):
-        if key in earlier:
+        if key in earlier and all(mode in earlier[key] for mode in modes):
             figures["reused"].append(list(key))
-            return earlier[key]
-        row = compute(*arguments)
-        print(json.dumps(row), flush=True)
-        return row
+            row = earlier[key]
+        else:
+            row = compute(*arguments)
+            print(json.dumps(row), flush=True)
+        return {**base.get(key, {}), **row}
 
-    for noise in NOISE_MODELS:
+    for noise in args.noises if not args.no_false_alarms else ():
         for length in args.lengths:
             runs = args.runs_late if length >= 500 else args.runs
-            row = measured(
-                ("false_alarms", noise, length, runs),
-                false_alarms,
-                groups,
-                index,
-                runs,
-                length,
-                noise,
-                args.seed,
-                args.chunk,
-            )
-            figures["false_alarms"].append(row)
-    for noise in ("redraw_all", "redraw_fifth"):
-        for what in ("0.5", "0.7", "overall -5"):
+            key = ("false_alarms", noise, length, runs)
+            arguments = (groups, index, runs, length, noise, args.seed, args.chunk, modes)
+            figures["false_alarms"].append(measured(key, false_alarms, *arguments))
+    for noise in [noise for noise in args.noises if noise != "drift"]:
+        for what in args.falls:
             for at in args.lengths:
                 runs = args.detection_runs_late if at >= 500 else args.detection_runs
-                row = measured(
-                    ("detection", what, noise, at, runs),
-                    detection,
-                    groups,
-                    index,
-                    names,
-                    runs,
-                    at,
-                    what,
-                    noise,
-                    args.seed,
-                    args.chunk,
-                )
-                figures["detection"].append(row)
-    figures["coverage"] = measured(
-        ("coverage", args.histories, args.pairs), coverage, args.histories, args.pairs, args.bootstrap, args.seed
-    )
+                key = ("detection", what, noise, at, runs)
+                arguments = (groups, index, names, runs, at, what, noise, args.seed, args.chunk, modes)
+                figures["detection"].append(measured(key, detection, *arguments))
+    coverage_key = ("coverage", args.histories, args.pairs)
+    if coverage_key in base:
+        figures["coverage"] = base[coverage_key]
+    elif args.histories:
+        figures["coverage"] = measured(coverage_key, coverage, args.histories, args.pairs, args.bootstrap, args.seed)
     figures["seconds"] = time.perf_counter() - start
     figures["load_after"] = os.getloadavg()[0]
     if args.json:

@@ -51,16 +51,19 @@ def test_the_fall_p_value_is_the_one_sided_exact_binomial_and_holm_is_holm():
 
 
 def test_the_benchmark_simulation_raises_the_monitors_alerts_alert_for_alert():
-    """The benchmark's array version of both modes, fed the outcomes a RegressionMonitor of each mode is fed,
-    raises the same alerts at the same evaluations (falls included, so that there are some to compare)."""
+    """The benchmark's array version of every mode, fed the outcomes a RegressionMonitor of each mode is fed,
+    raises the same alerts at the same evaluations (falls included, so that there are some to compare);
+    pooled_planned is the pooled monitor given the run's number of evaluations as its plan."""
     bench = _bench()
     phenomena = tuple(f"p{i // 40}" for i in range(200))  # five phenomena of 40 pairs
     groups, index, names = bench.membership(phenomena)
     rng = np.random.default_rng(3)
     runs, evaluations = 6, 40
     base = rng.beta(7, 3, (runs, 200))
-    monitors = bench.Monitors(groups, runs)
-    reference = {mode: [RegressionMonitor(mode=mode) for _ in range(runs)] for mode in bench.MODES}
+    monitors = bench.Monitors(groups, runs, evaluations - 1)
+    as_monitor = {mode: mode.removesuffix("_planned") for mode in bench.MODES}
+    plan = {mode: evaluations if mode.endswith("_planned") else None for mode in bench.MODES}
+    reference = {mode: [RegressionMonitor(mode=as_monitor[mode]) for _ in range(runs)] for mode in bench.MODES}
     seen = {mode: [] for mode in bench.MODES}
     expected = {mode: [] for mode in bench.MODES}
     passed = rng.random((runs, 200)) < base
@@ -74,12 +77,13 @@ def test_the_benchmark_simulation_raises_the_monitors_alerts_alert_for_alert():
             seen[mode] += [(e, r, names[g]) for r, g in zip(*np.nonzero(found[mode]))]
             for r in range(runs):
                 text = encode_outcomes(bool(v) for v in passed[r])
-                alerts = reference[mode][r].observe(e, {"t": Outcomes(text, text, phenomena)})
+                alerts = reference[mode][r].observe(e, {"t": Outcomes(text, text, phenomena)}, plan[mode])
                 expected[mode] += [(e, r, alert.group) for alert in alerts]
     for mode in bench.MODES:
         assert sorted(seen[mode]) == sorted(expected[mode])
         assert len(expected[mode]) >= 10  # there was something to agree on
     assert len(expected["per_run"]) < len(expected["per_evaluation"])
+    assert len(expected["pooled"]) < len(expected["pooled_planned"])  # the plan spends more at each evaluation
 
 
 def test_runs_that_never_regress_rarely_alert_pooled_or_per_run_and_often_per_evaluation():

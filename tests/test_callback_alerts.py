@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tatblimp_callback.results import alert_budget
 from tatblimp_callback.results.learning import AcquisitionFit
 from tatblimp_callback.results.regressions import RegressionAlert, recorded_alerts, replay_alerts
 from trainer_utils import run_wandb_script, wandb_records
@@ -115,8 +116,14 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
     assert (alert["benchmark"], alert["group"], alert["best_step"]) == ("tatblimp", "target", best)
     assert alert["best_score"] == score[best] and alert["score"] == score[24] and alert["q_value"] < 1e-2, alert
     assert alert["mode"] == "pooled"  # the default: a false-alarm budget for the whole run
-    # The report's replay of the history file gives the alerts the callback raised, to the last digit.
+    # The report's replay of the history file gives the alerts the callback raised, to the last digit, under the
+    # plan every record names: the run's 11 evaluations (0, 4, ..., 40), from max_steps and eval_steps.
+    assert [r["alert_plan"] for r in history] == [11] * len(history) == [11] * 11
     assert replay_alerts(history) == recorded_alerts(history) == [RegressionAlert.from_dict(alert)]
+    # Its q is that of the plan's share (0.9 / 10 of alert_q at each comparison), not the unknown-length one.
+    unplanned = replay_alerts([{k: v for k, v in r.items() if k != "alert_plan"} for r in history])
+    assert [a.p_value for a in unplanned] == [alert["p_value"]]
+    assert unplanned[0].q_value == pytest.approx(alert["q_value"] * 0.09 / alert_budget.look_share(6))
     # The warning line names the phenomenon, both steps, both scores and q.
     (line,) = [w for w in seen["warnings"] if "REGRESSION" in w]
     for part in ("target", f"step {best}", "step 24", f"{score[best]:.4f}", f"{score[24]:.4f}", "q = "):

@@ -237,6 +237,11 @@ def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_token
 
     assert second._monitor.alerts.monitor.evaluations == 4
     assert recorded_alerts(lines) == replay_alerts(lines)
+    # Each line names its run's plan: 3 evaluations for max_steps=4 (0, 2, 4), then 4 for the resumed max_steps=6.
+    # The budget spent: 0.45 at step 2 (0.9 over 2 comparisons), then what was left, 0.45, over the 2 comparisons
+    # still planned (4 and 6): 0.9 of alert_q in all, not 0.45 + 2 x 0.3.
+    assert [line["alert_plan"] for line in lines] == [3, 3, 4, 4]
+    assert second._monitor.alerts.monitor.spending.total == pytest.approx(0.9)
 
 
 def test_the_model_is_found_named_or_refused_clearly(tmp_path, bpe_tokenizer, small_data):

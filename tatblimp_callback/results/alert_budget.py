@@ -6,7 +6,9 @@ bound:
 
 - the j-th comparison of the run (its (j+1)-th evaluation) may spend ``alert_q * look_share(j)``, and the shares
   sum to at most 1 over any number of evaluations (``look_share``), so the number of evaluations need not be
-  known in advance;
+  known in advance; where it is (a plan: a Trainer knows its ``max_steps``), ``Spending`` spreads
+  ``1 - PLAN_RESERVE`` evenly over the planned comparisons and keeps the reserve for comparisons beyond the plan,
+  spent by ``look_share``;
 - within an evaluation that share is split over the groups compared (overall and each phenomenon, of TatBLiMP
   and of each suite) by Holm's step-down (``holm_adjust``), valid whatever the dependence between the groups;
 - within a group, the share is split over its tests by weights that add up to 1 (weighted Bonferroni). Per run:
@@ -34,6 +36,7 @@ PREVIOUS_SHARE = 0.5  # per_run: of a group's share, the comparison with the pre
 # pooled: of a group's share, each window (the last 1, 2, 3 evaluations against the as many before) and the best
 WINDOW_WEIGHTS = (0.45, 0.1, 0.35)
 BEST_WEIGHT = 0.1
+PLAN_RESERVE = 0.1  # with a plan: of the run's budget, what comparisons beyond it may spend (the long-runs guide)
 
 
 def look_share(j):
@@ -98,11 +101,71 @@ def holm_adjust(p_values):
     return adjusted
 
 
-def run_q_values(group_p_values, j):
-    """The run-wide q-value of each group at the j-th comparison: its Holm-adjusted p-value divided by
-    ``look_share(j)``; an alert needs it at or below ``alert_q``."""
+def planned_share(j, comparisons, reserve=PLAN_RESERVE):
+    """The share of the j-th comparison in a run planned for ``comparisons`` comparisons from the start, the plan
+    never changed (what ``Spending`` gives then): ``(1 - reserve) / comparisons`` up to the plan, beyond it
+    ``reserve * look_share(j - comparisons)``."""
     import numpy as np
 
-    share = look_share(j)
+    j = np.asarray(j)
+    beyond = reserve * look_share(np.maximum(j - comparisons, 1))
+    share = np.where(j <= comparisons, (1 - reserve) / max(comparisons, 1), beyond)
+    return float(share) if np.ndim(share) == 0 else share
+
+
+class Spending:
+    """What a run has spent of its budget, comparison by comparison; ``share(plan)`` is the next comparison's.
+
+    ``plan``: the planned number of comparisons of the whole run (None: not known). Without a plan, the j-th
+    comparison spends ``look_share(k)``, k the comparisons so far outside a plan (k = j in a run that never has
+    one: the unknown-length spending). With a plan, comparison j up to it spends an even part of what is left of
+    ``1 - reserve``: ``(1 - reserve - spent) / (plan - j + 1)``, spent counting every share not taken from the
+    reserve, so a plan that changes (a run resumed with another ``max_steps``) spreads what is left over the
+    comparisons still planned; comparisons beyond the plan, or without one once a plan was seen, spend
+    ``reserve * look_share(k)``. The shares of a run add up to at most 1 whatever the plans: with S the spending
+    before the first plan, at most S + max(0, 1 - reserve - S) + reserve (1 - S) <= 1.
+    """
+
+    def __init__(self, reserve: float = PLAN_RESERVE):
+        if not 0 < reserve < 1:
+            raise ValueError(f"the reserve kept beyond a plan must be between 0 and 1, got {reserve!r}")
+        self.reserve = reserve
+        self.comparisons = 0  # j: comparisons so far
+        self.unplanned = 0  # k: comparisons so far outside a plan
+        self.spent = 0.0  # the shares not taken from the reserve
+        self.total = 0.0  # every share
+        self.planned = False  # a plan was seen (from then on, comparisons outside one spend the reserve)
+        self.past_unknown = False  # forget_past: the reserve only
+
+    def share(self, plan: int | None = None) -> float:
+        """The next comparison's share of the run's budget, under ``plan`` (planned comparisons, or None)."""
+        self.comparisons += 1
+        if plan is not None and self.comparisons <= plan and not self.past_unknown:
+            share = max(0.0, 1 - self.reserve - self.spent) / (plan - self.comparisons + 1)
+            self.planned, self.spent = True, self.spent + share
+        else:
+            self.unplanned += 1
+            share = look_share(self.unplanned)
+            if self.planned:
+                share *= self.reserve
+            else:
+                self.spent += share
+        self.total += share
+        return share
+
+    def forget_past(self, comparisons: int) -> None:
+        """Go on after ``comparisons`` comparisons whose spending is not known (a resumed run whose history file
+        cannot be read): from then on only the reserve is spent, ``look_share`` from k = ``comparisons`` on."""
+        self.comparisons = self.unplanned = comparisons
+        self.planned = self.past_unknown = True
+        self.total = math.nan
+
+
+def run_q_values(group_p_values, share):
+    """The run-wide q-value of each group at a comparison given ``share`` of the run's budget (``look_share``,
+    ``planned_share`` or ``Spending.share``; one per row for rows of runs): its Holm-adjusted p-value divided by the
+    share; an alert needs it at or below ``alert_q``."""
+    import numpy as np
+
     share = share if np.ndim(share) == 0 else np.asarray(share)[..., None]
     return np.minimum(holm_adjust(group_p_values) / share, math.inf)

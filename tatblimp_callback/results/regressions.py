@@ -9,6 +9,9 @@ compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.p
   ``alert_windows.py``; one evaluation: McNemar against the previous one), and its current evaluation with the
   best earlier one (exact one-sided McNemar, corrected for the choice of the best), each test with its weight of
   the group's share; each evaluation spends its own share of ``alpha``, split over the groups by Holm's method.
+  With a plan (the run's planned number of evaluations, given to ``observe`` and written in every history-file
+  record as ``alert_plan``), the budget is spread evenly over the planned evaluations, a reserve kept for any
+  beyond the plan (``alert_budget.Spending``).
 - ``"per_run"`` (the default before pooling): the same budget, with the previous and the best evaluations only.
 - ``"per_evaluation"`` (the earliest behaviour): the best earlier evaluation only (exact two-sided McNemar, times
   the number of earlier evaluations), Benjamini-Hochberg adjusted over the groups of the evaluation, q below
@@ -142,6 +145,9 @@ class RegressionMonitor:
             both evaluations.
         metric: the outcomes compared ("acc_norm" or "acc").
         mode: "pooled" (default), "per_run" or "per_evaluation" (see the module's docstring).
+
+    ``spending`` (pooled, per_run) holds what the run has spent of ``alpha``, evaluation by evaluation, under the
+    plans ``observe`` was given.
     """
 
     def __init__(
@@ -159,17 +165,21 @@ class RegressionMonitor:
             raise ValueError(f"the alert mode must be one of {', '.join(map(repr, ALERT_MODES))}, got {mode!r}")
         self.alpha, self.min_drop, self.metric, self.mode = alpha, min_drop, metric, mode
         self.evaluations = 0  # evaluations observed in the run: the per-run budget's count goes on across benchmarks
+        self.spending = alert_budget.Spending()
         self._best: dict[str, _Evaluation] = {}
         self._recent: dict[str, list[_Evaluation]] = {}  # the last evaluations with a score (the last: previous)
         self._fallen: set[str] = set()  # groups alerted and not recovered yet
         self._seen: dict[str, int] = {}  # earlier evaluations of each group with a score
         self._pairs: dict[str, tuple[str, ...]] = {}  # the phenomenon of each pair, by benchmark
 
-    def observe(self, step: int, outcomes: Mapping[str, Outcomes]) -> list[RegressionAlert]:
+    def observe(self, step: int, outcomes: Mapping[str, Outcomes], plan: int | None = None) -> list[RegressionAlert]:
         """The alerts of the evaluation at ``step``; ``outcomes``: benchmark name -> its per-pair outcomes (a suite
         not scored at this evaluation is simply absent; ``{}`` for an evaluation that cannot be read, which still
-        counts). Then each group's best and previous evaluations are updated."""
+        counts); ``plan``: the run's planned number of evaluations, the first included (None: not known). Then each
+        group's best and previous evaluations are updated."""
         self.evaluations += 1
+        # Every evaluation after the first spends its share, compared or not, so that a replay spends alike.
+        share = self.spending.share(plan - 1 if plan is not None else None) if self.evaluations > 1 else math.nan
         compared: list[_Comparison] = []
         current: dict[str, _Evaluation] = {}
         for benchmark, result in outcomes.items():
@@ -205,9 +215,9 @@ class RegressionMonitor:
                         )
                     )
         if self.mode == "pooled":
-            alerts = self._pooled(compared)
+            alerts = self._pooled(compared, share)
         else:
-            alerts = self._per_run(compared) if self.mode == "per_run" else self._per_evaluation(compared)
+            alerts = self._per_run(compared, share) if self.mode == "per_run" else self._per_evaluation(compared)
         for key, now in current.items():
             if math.isnan(now.score):
                 continue
@@ -229,7 +239,13 @@ class RegressionMonitor:
             self._fallen.discard(comparison.key)
         return True
 
-    def _per_run(self, compared: list[_Comparison]) -> list[RegressionAlert]:
+    def continue_after(self, evaluations: int) -> None:
+        """Go on after ``evaluations`` evaluations not observed here (a resumed run whose history file cannot be
+        read): their spending is not known, so from now on only the reserve is spent (``Spending.forget_past``)."""
+        self.evaluations = evaluations
+        self.spending.forget_past(max(evaluations - 1, 0))
+
+    def _per_run(self, compared: list[_Comparison], share: float) -> list[RegressionAlert]:
         p_values, chosen = [], []
         for c in compared:
             p_best = alert_budget.fall_p_value(c.against_best.baseline_only, c.against_best.run_only)
@@ -243,7 +259,7 @@ class RegressionMonitor:
             chosen.append(
                 ("previous", c.previous, counts, p_previous) if by_previous else ("best", c.best, c.against_best, p_best)
             )
-        q_values = alert_budget.run_q_values(p_values, self.evaluations - 1) if compared else []
+        q_values = alert_budget.run_q_values(p_values, share) if compared else []
         alerts = []
         for c, (reference, earlier, counts, p_value), q_value in zip(compared, chosen, q_values):
             if self._recovered_or_fallen(c) or not q_value <= self.alpha:
@@ -252,7 +268,7 @@ class RegressionMonitor:
             alerts.append(self._alert(c, earlier, counts, p_value, float(q_value), reference))
         return alerts
 
-    def _pooled(self, compared: list[_Comparison]) -> list[RegressionAlert]:
+    def _pooled(self, compared: list[_Comparison], share: float) -> list[RegressionAlert]:
         p_values, chosen = [], []
         for c in compared:
             p_best = alert_budget.fall_p_value(c.against_best.baseline_only, c.against_best.run_only)
@@ -267,7 +283,7 @@ class RegressionMonitor:
             weighted, p_value, counts = min(tests, key=lambda test: test[0])
             p_values.append(min(weighted, 1.0))
             chosen.append((p_value, counts))
-        q_values = alert_budget.run_q_values(p_values, self.evaluations - 1) if compared else []
+        q_values = alert_budget.run_q_values(p_values, share) if compared else []
         alerts = []
         for c, (p_value, counts), q_value in zip(compared, chosen, q_values):
             if self._recovered_or_fallen(c) or not q_value <= self.alpha:
@@ -328,13 +344,28 @@ def replay_alerts(
     alpha: float = DEFAULT_ALERT_Q,
     min_drop: float = DEFAULT_MIN_DROP,
     mode: str = DEFAULT_ALERT_MODE,
+    evaluations: int | None = None,
 ) -> list[RegressionAlert]:
-    """The alerts a monitor raises over ``records`` (a sweep's or a history file's), one evaluation a step."""
+    """The alerts a monitor raises over ``records`` (a sweep's or a history file's), one evaluation a step, each
+    under the plan its record names (``alert_plan``, written by the callbacks), or ``evaluations`` (the planned
+    number of evaluations) for every record where given; neither: the spending of a run of unknown length."""
     monitor = RegressionMonitor(alpha, min_drop, mode=mode)
     alerts = []
     for record in one_record_a_step(records):
-        alerts += monitor.observe(record["step"], record_outcomes(record))
+        plan = evaluations if evaluations is not None else record_plan(record)
+        alerts += monitor.observe(record["step"], record_outcomes(record), plan)
     return alerts
+
+
+def record_plan(record: Mapping[str, Any]) -> int | None:
+    """The planned number of evaluations a record names (``alert_plan``), None where it names none; ValueError for
+    one that is not a whole number of at least 1."""
+    plan = record.get("alert_plan")
+    if plan is not None and (isinstance(plan, bool) or not isinstance(plan, int) or plan < 1):
+        raise ValueError(
+            f"the record of step {record.get('step')!r}: alert_plan must be a whole number of at least 1, got {plan!r}"
+        )
+    return plan
 
 
 def recorded_alerts(records: Sequence[Mapping[str, Any]]) -> list[RegressionAlert] | None:

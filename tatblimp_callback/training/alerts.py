@@ -4,8 +4,11 @@ After each evaluation ``RegressionAlerts.observe`` hands the results (TatBLiMP's
 outcomes) to ``regressions.RegressionMonitor``; each alert it raises is a warning line, one more in the
 ``<prefix>/alerts`` count, an entry under ``alerts`` in that step's history-file record and, where a wandb run
 is active, ``run.alert(title, text, level=WARN)`` (wandb's email or Slack notification). An error here is
-logged and never stops training. It also keeps TatBLiMP's outcomes of every evaluation, from which the end of
-training fits each phenomenon's acquisition and reads its trend (``learning.py``).
+logged and never stops training. ``plan``, the run's planned number of evaluations (the callback's, from the
+Trainer's ``max_steps``), goes to the monitor with each evaluation and into each record (``alert_plan``), so that a
+replay of the file spends the run's budget as the callback did. It also keeps TatBLiMP's outcomes of every
+evaluation, from which the end of training fits each phenomenon's acquisition and reads its trend
+(``learning.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..engine import distributed
 from ..reading.jsonl import read_complete_lines
 from ..results.learning import LearningSummary, learning_summary
 from ..results.metrics import Results
-from ..results.regressions import DEFAULT_ALERT_MODE, RegressionAlert, RegressionMonitor
+from ..results.regressions import DEFAULT_ALERT_MODE, RegressionAlert, RegressionMonitor, record_plan
 from ..results.stats import Outcomes
 from .reporting import learning_line, print_line, wandb_run
 
@@ -41,13 +44,15 @@ class RegressionAlerts:
         mode: str = DEFAULT_ALERT_MODE,
     ):
         self.enabled, self.prefix = enabled, prefix
+        self.plan: int | None = None  # the run's planned number of evaluations (set by the callback)
         self.monitor = RegressionMonitor(alpha, min_drop, mode=mode)
         self.alerts: list[RegressionAlert] = []
         # A resumed run's count goes on from its restored log history, and so does the per-run budget's sequence of
         # evaluations (on every process, with or without a history file to compare with).
         self.count = int(max((entry.get(f"{prefix}/alerts", 0) for entry in restored), default=0))
         self._restored_evaluations = sum(f"{prefix}/acc" in entry for entry in restored)
-        self.monitor.evaluations = self._restored_evaluations
+        if self._restored_evaluations:  # their spending is known only from the history file (``restore``)
+            self.monitor.continue_after(self._restored_evaluations)
         self.evaluations: list[tuple[int, Outcomes]] = []  # TatBLiMP's outcomes at each step, for the summary
         self._by_step: dict[int, list[RegressionAlert]] = {}
 
@@ -60,7 +65,7 @@ class RegressionAlerts:
             if not self.enabled:
                 return {}
             outcomes.update({name: Outcomes.from_dict(suite.outcomes()) for name, suite in results.suites.items()})
-            raised = self.monitor.observe(step, outcomes)
+            raised = self.monitor.observe(step, outcomes, self.plan)
         except Exception as error:  # a monitoring error never stops training
             logger.warning("tatblimp: step %d: the regression check failed (%s: %s)", step, type(error).__name__, error)
             return {}
@@ -85,38 +90,44 @@ class RegressionAlerts:
         """A resumed run: the evaluations kept in its history file (those up to the checkpoint) go through the monitor
         again, silently, so that the next evaluation is compared with the run's best, not only with the evaluations
         after the resume. TatBLiMP only: a suite's comparisons start again at the resume. A record that cannot be
-        read is left out (and said, with its line), but still counted in the per-run budget's sequence."""
+        read is left out (and said, with its line), but still counted in the per-run budget's sequence, under the
+        plan of the record before it."""
         try:
             lines = [line for line in read_complete_lines(Path(path)) if line.strip()]
         except OSError as error:
             logger.warning("tatblimp: the regression check starts afresh: cannot read %s (%s)", path, error)
             return
-        records, unreadable = [], []
+        records, unreadable, plan = [], [], None
         for number, line in enumerate(lines, 1):
             try:
                 record = json.loads(line)
-                records.append((record["step"], Outcomes.from_record(record)))
-            except (ValueError, KeyError, TypeError) as error:
+                records.append((record["step"], Outcomes.from_record(record), record_plan(record)))
+                plan = records[-1][2]
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 unreadable.append(f"record {number}: {type(error).__name__}: {error}")
-                records.append((None, None))
+                records.append((None, None, plan))
         if unreadable:
             logger.warning(
                 "tatblimp: the regression check leaves out %d record(s) of %s it cannot read (%s); it compares with the "
                 "others", len(unreadable), path, "; ".join(unreadable[:3]),
             )  # fmt: skip
-        self.monitor.evaluations = 0
-        for step, outcomes in records:
+        old = self.monitor
+        self.monitor = RegressionMonitor(old.alpha, old.min_drop, old.metric, old.mode)
+        for step, outcomes, plan in records:
             if outcomes is not None:
                 self.evaluations.append((step, outcomes))
             if self.enabled:
-                self.monitor.observe(step, {self.prefix: outcomes} if outcomes is not None else {})
-        self.monitor.evaluations = max(self.monitor.evaluations, self._restored_evaluations)
+                self.monitor.observe(step, {self.prefix: outcomes} if outcomes is not None else {}, plan)
+        if self.monitor.evaluations < self._restored_evaluations:  # lines missing: what they spent is not known
+            self.monitor.continue_after(self._restored_evaluations)
 
     def fields(self, step: int) -> dict[str, Any]:
-        """What the history-file record of ``step`` gets: ``{"alerts": [...]}`` while alerts are on."""
+        """What the history-file record of ``step`` gets: ``{"alerts": [...]}`` while alerts are on, and
+        ``"alert_plan"``, the planned number of evaluations, where there is one."""
         if not self.enabled:
             return {}
-        return {"alerts": [alert.to_dict() for alert in self._by_step.get(step, [])]}
+        plan = {"alert_plan": self.plan} if self.plan is not None else {}
+        return {"alerts": [alert.to_dict() for alert in self._by_step.get(step, [])], **plan}
 
     def summary(self, main_process: bool = True) -> LearningSummary | None:
         """Fits and trends of TatBLiMP's phenomena over the evaluations seen (``learning.learning_summary``), the

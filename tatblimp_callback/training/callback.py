@@ -190,8 +190,15 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     alert_min_drop: float = 0.05
     """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
 
+    alert_evaluations: int | None = None
+    """The run's planned number of evaluations, over which the alerts spread ``alert_q`` (``"pooled"``,
+    ``"per_run"``); None: counted from the Trainer's ``max_steps`` and the schedule (``eval_on_start``, every
+    ``eval_steps``, the Trainer's own evaluations at ``eval_strategy="steps"``, ``eval_on_end``). Evaluations beyond
+    the plan spend a reserve, so the guarantee holds either way (see the long-runs guide)."""
+
     def __post_init__(self):
         self._every = callback_options.check_eval_steps(self.eval_steps)
+        callback_options.check_alert_evaluations(self.alert_evaluations)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         if self.report_file is not None and self.history_file is None:
@@ -265,10 +272,19 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
                     ", ".join(missed),
                 )
         self._every = callback_options.steps_between(self.eval_steps, state.max_steps)
+        self._monitor.alerts.plan = self.alert_evaluations or self._planned_evaluations(args, state.max_steps)
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
         self._monitor.prepare(tokenizer, model, getattr(args, "output_dir", None))
+
+    def _planned_evaluations(self, args, max_steps) -> int | None:
+        """The evaluations this run is scheduled to score (``callback_options.planned_evaluations``)."""
+        trainer_every = None
+        if self.eval_on_evaluate and getattr(args, "eval_strategy", "no") == "steps" and getattr(args, "eval_steps", None):
+            trainer_every = callback_options.steps_between(args.eval_steps, max_steps)
+        start = self.eval_on_start or (self.eval_on_evaluate and bool(getattr(args, "eval_on_start", False)))
+        return callback_options.planned_evaluations(max_steps, self._every, start, self.eval_on_end, trainer_every)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step

@@ -1,5 +1,6 @@
 """``TatBLiMPCallback`` settings that follow the Trainer's conventions: ``eval_steps`` as a count or a
-fraction of the run's steps, and file names relative to ``output_dir``."""
+fraction of the run's steps, and file names relative to ``output_dir``; the run's planned number of evaluations
+(``planned_evaluations``), which the regression alerts spread their budget over."""
 
 from __future__ import annotations
 
@@ -32,6 +33,34 @@ def steps_between(eval_steps: int | float, max_steps: int) -> int:
     ``ceil(eval_steps * max_steps)`` (at least 1), as the Trainer computes its own ``eval_steps``."""
     every = check_eval_steps(eval_steps)
     return every if every is not None else max(1, math.ceil(eval_steps * max_steps))
+
+
+def check_alert_evaluations(value) -> None:
+    """``alert_evaluations``: None or a whole number of at least 2 (one evaluation compares nothing).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2):
+        raise ValueError(
+            "alert_evaluations must be the run's planned number of evaluations (a whole number, at least 2) or None "
+            f"(from the Trainer's max_steps), got {value!r}"
+        )
+
+
+def planned_evaluations(max_steps, every: int, start: bool, end: bool, also_every: int | None = None) -> int | None:
+    """The evaluations of a run of ``max_steps`` steps (a number; anything else, or under 1: None, not known):
+    at step 0 (``start``), at every multiple of ``every`` and of ``also_every`` (the Trainer's own evaluations,
+    which the callback also scores; one step counted once) and at the last step (``end``)."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Real) or not 1 <= max_steps < math.inf:
+        return None
+    max_steps = int(max_steps)
+    count = int(start) + max_steps // every
+    if also_every:
+        count += max_steps // also_every - max_steps // math.lcm(every, also_every)
+    if end and max_steps % every and not (also_every and max_steps % also_every == 0):
+        count += 1
+    return count
 
 
 def under_output_dir(path: str | os.PathLike | None, output_dir: str | os.PathLike | None) -> Path | None:

@@ -28,6 +28,7 @@ from ..engine.model_checks import unwrap_model
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
+from . import callback_options
 from .in_loop import HISTORY_FILE, InLoopMonitor, MonitoredResults, refuse_shared_history_file
 from .lightning_monitoring import expose, warn_about_monitors
 from .suite_schedule import check_suite_options
@@ -158,6 +159,10 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     alert_mode: str = "pooled"
     """``"pooled"``, ``"per_run"`` or ``"per_evaluation"``, as ``TatBLiMPCallback.alert_mode``."""
 
+    alert_evaluations: int | None = None
+    """The run's planned number of evaluations, as ``TatBLiMPCallback.alert_evaluations``; None: counted from the
+    Trainer's ``max_steps``, else its ``estimated_stepping_batches``, where finite."""
+
     def __post_init__(self):
         every = self.eval_every_n_steps
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -165,6 +170,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
+        callback_options.check_alert_evaluations(self.alert_evaluations)
         self._monitor = InLoopMonitor(self)
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None
@@ -186,6 +192,9 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         entries, self._restored = self._restored or [], None
         self._monitor.start_run(entries)
+        self._monitor.alerts.plan = self.alert_evaluations or callback_options.planned_evaluations(
+            _planned_steps(trainer), self.eval_every_n_steps, self.eval_on_start, self.eval_on_end
+        )
         for entry in entries:  # a resumed run's monitored keys hold its last values from the start
             expose(trainer, {k: v for k, v in entry.items() if k != "step"}, self._monitor.is_our_metric)
         warn_about_monitors(trainer, self)
@@ -291,6 +300,16 @@ def _root_unsharded(pl_module, model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         pl_module.reshard()
+
+
+def _planned_steps(trainer):
+    """The run's global steps: ``max_steps``, else ``estimated_stepping_batches`` (inf or unknown: None)."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return trainer.max_steps
+    try:
+        return trainer.estimated_stepping_batches
+    except Exception:  # no dataloader length to estimate from (an iterable dataset): not known
+        return None
 
 
 def _ends_training(trainer) -> bool:
