@@ -52,6 +52,7 @@ def run_shape(name: str, tokenizers: dict, args, log) -> dict:
             start = time.perf_counter()
             scorers[length].score()
             row["row_lengths"][length]["times"].append(time.perf_counter() - start)
+            log(f"{name} row {length}: {row['row_lengths'][length]['times'][-1]:.2f} s")
     base = min(row["row_lengths"][256]["times"]) if 256 in lengths else None
     for length, r in row["row_lengths"].items():
         r["best_seconds"] = min(r["times"])
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for name in names:
         report["shapes"][name] = run_shape(name, tokenizers, args, log)
+        if args.json:  # after each shape: a run stopped early keeps what it measured
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     report.update(
         finished_utc=time.strftime("%H:%M", time.gmtime()),
         load_average_end=os.getloadavg(),
