@@ -19,7 +19,7 @@ with the 48K TATlit SentencePiece model, ids taken modulo a smaller vocabulary (
 depends on the vocabulary's size, not on which pieces it holds. ``4k-byte+16000`` adds 16,000 pairs of
 long corpus sentences (``bench_suites.corpus_suite``) to TatBLiMP.
 
-    python benchmarks/bench_head_choice.py --json benchmarks/results/2026-12-02-cpu-head-choice.json
+    python benchmarks/bench_head_choice.py --repeats 2 --json benchmarks/results/2026-12-02-cpu-head-choice-quiet.json
 """
 
 from __future__ import annotations
