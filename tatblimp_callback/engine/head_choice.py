@@ -117,6 +117,27 @@ class HeadChoice:
         self.method, self._plan = method, None
         self.record = {"head_method": str(method), "chosen_by": reason}
 
+    def begin(
+        self, layout, prompts: bool, weight: torch.Tensor, dtype: torch.dtype, memory_budget: int, setup_seconds: float
+    ) -> None:
+        """At the first evaluation with the tiled head: time the head's candidates on its ``layout`` (``start``), or
+        keep the tiles where the head's work is too small to time or several processes each would time their own.
+
+        ``prompts``: forced-choice prompts (one context a row); ``weight``: the head's; ``dtype``: the model's (the
+        method check's tolerance is its); ``setup_seconds``: what the evaluation spent before its first forward call.
+        """
+        contexts = len(layout.batches.rows.order) if prompts else layout.total_positions - layout.padded_positions
+        if distributed.world()[1] > 1:
+            self.keep(TILES, "several processes (each would time its own)")
+        elif 2 * contexts * weight.shape[0] * weight.shape[1] < MIN_CHOICE_FLOPS:
+            self.keep(TILES, "head work too small to time")
+        else:
+            largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
+            methods = candidates(weight.device, weight.shape[0], weight.dtype, memory_budget, largest)
+            sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+            rtol = relative_tolerance(dtype, weight.device)
+            self.start(methods, contexts, layout.total_positions, setup_seconds, rtol, sync)
+
     def start(self, methods: list[HeadMethod], contexts: int, positions: int, setup_seconds: float, rtol: float, sync) -> None:
         """Begin timing ``methods`` in this evaluation: ``contexts`` and ``positions`` are its totals,
         ``setup_seconds`` what it has spent before its first forward call (the method check)."""
@@ -302,28 +323,6 @@ class HeadChoice:
             method,
             ", ".join(f"{name} {t['seconds_per_1000_contexts']:.3g} s/1000" for name, t in timings.items() if t["pieces"]),
         )
-
-
-def start(
-    choice: HeadChoice, layout, prompts: bool, weight: torch.Tensor, dtype: torch.dtype, memory_budget: int, setup_seconds: float
-) -> None:
-    """At the first evaluation with the tiled head: time the head's candidates on its ``layout`` (``choice.start``),
-    or keep the tiles where the head's work is too small to time or several processes each would time their own.
-
-    ``prompts``: forced-choice prompts (one context a row); ``weight``: the head's; ``dtype``: the model's (the method
-    check's tolerance is its); ``setup_seconds``: what the evaluation spent before its first forward call.
-    """
-    contexts = len(layout.batches.rows.order) if prompts else layout.total_positions - layout.padded_positions
-    if distributed.world()[1] > 1:
-        choice.keep(TILES, "several processes (each would time its own)")
-    elif 2 * contexts * weight.shape[0] * weight.shape[1] < MIN_CHOICE_FLOPS:
-        choice.keep(TILES, "head work too small to time")
-    else:
-        largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
-        methods = candidates(weight.device, weight.shape[0], weight.dtype, memory_budget, largest)
-        sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
-        rtol = relative_tolerance(dtype, weight.device)
-        choice.start(methods, contexts, layout.total_positions, setup_seconds, rtol, sync)
 
 
 def method_logprobs(lm: torch.nn.Module, method: HeadMethod, hidden, contexts, targets, tile, memory_budget: int) -> torch.Tensor:

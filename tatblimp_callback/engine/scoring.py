@@ -226,9 +226,7 @@ class Scorer:
         self._token_cells = None  # freed before this evaluation's own cells are made
         if self.method.head == "tiled" and self.head.method is None:  # the first evaluation: time the head's candidates
             layout, setup = self._layout(self.method, sequences, keep=True), sum(self.setup_seconds.values())
-            head_choice.start(
-                self.head, layout, bool(self.cache.answer_ids), self._head_weight(), self._dtype(), self.memory_budget, setup
-            )
+            self.head.begin(layout, bool(self.cache.answer_ids), self._head_weight(), self._dtype(), self.memory_budget, setup)
         cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
         self.head.finish()
         if self.keep_token_logprobs and not self.cache.answer_ids:
@@ -364,10 +362,9 @@ class Scorer:
             return read_logprobs(self.lm, self._model_output(batch, head), batch, head, None, None).to(self.cache.device)
         device = self._head_weight().device
 
-        def body() -> tuple:
-            output = self._model_output(batch, head)
-            # Under a device map the head may sit on another device than the last layer and the cache.
-            return output.to(device), batch.score_contexts.to(device), batch.score_targets.to(device), batch.num_positions
+        def body() -> tuple:  # under a device map the head may sit on another device than the last layer and the cache
+            hidden = self._model_output(batch, head).to(device)
+            return hidden, batch.score_contexts.to(device), batch.score_targets.to(device), batch.num_positions
 
         return self.head.forward_logprobs(body, self._head_logprobs, device).to(self.cache.device)
 
