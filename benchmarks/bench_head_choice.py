@@ -10,14 +10,16 @@ For each shape (vocabulary, hidden size, layers), on one randomly initialised Ll
 - lm-evaluation-harness 0.4.13's ``HFLM._loglikelihood_tokens`` (batch 64) on the same token ids (each
   sequence's first token as the context, as lm-eval scores a sentence with an empty context);
 - the distinct-context floor (``bench_scoring.py``'s: the body over the tree rows, measured, plus the head's
-  matmul at a large square matmul's rate and one softmax pass, for the distinct contexts).
+  matmul at a large square matmul's rate and one softmax pass, for the distinct contexts), measured in every
+  round next to the evaluations (the matmul's rate too), so that both see the same load; the load average
+  of each round is kept.
 
 Token ids: the 4K shape tokenizes with a byte-level BPE trained on the shared Tatar corpus; the others
 with the 48K TATlit SentencePiece model, ids taken modulo a smaller vocabulary (32K): the head's cost
 depends on the vocabulary's size, not on which pieces it holds. ``4k-byte+16000`` adds 16,000 pairs of
 long corpus sentences (``bench_suites.corpus_suite``) to TatBLiMP.
 
-    python benchmarks/bench_head_choice.py --json benchmarks/results/2026-12-02-cpu-head-choice.json
+    python benchmarks/bench_head_choice.py --repeats 2 --json benchmarks/results/2026-12-02-cpu-head-choice-quiet.json
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import sys
 import time
@@ -125,7 +128,7 @@ def lm_eval_seconds(model, tokenizer, cache, batch_size: int = 64) -> tuple[floa
     return time.perf_counter() - start, torch.tensor([logprob for logprob, _ in result], dtype=torch.float64)
 
 
-def run_shape(name: str, tokenizers: dict, args, gflops: float, log) -> dict:
+def run_shape(name: str, tokenizers: dict, args, log) -> dict:
     vocab, hidden, layers, heads, share, byte_level, corpus_pairs = SHAPES[name]
     cache = shape_cache(name, tokenizers)
     model = make_model(vocab, hidden, layers, heads)
@@ -151,24 +154,27 @@ def run_shape(name: str, tokenizers: dict, args, gflops: float, log) -> dict:
             method_check_seconds=auto.setup_seconds["method_check"],
             auto_vs_tiles_max_abs_diff=float((auto_scores - tiles_scores).abs().max()),
         )
-        times = {"auto": [], "tiles": []}
-        for _ in range(args.repeats):  # alternated: the machine's load falls on both alike
-            times["auto"].append(timed(auto.score))
-            times["tiles"].append(timed(tiles.score))
-        row["evaluation_seconds"] = {k: min(v) for k, v in times.items()}
-        row["evaluation_times"] = times
         layout = auto.layout()
         contexts = layout.total_positions - layout.padded_positions
-        body = body_seconds(model, layout, torch.device("cpu"), args.repeats)
-        head = 2 * contexts * hidden * vocab / (gflops * 1e9)
-        softmax = softmax_seconds_per_row(vocab, torch.device("cpu"), args.repeats) * contexts
-        row["floor_distinct_contexts"] = {
-            "contexts": contexts,
-            "body_seconds": body,
-            "head_matmul_seconds": head,
-            "softmax_seconds": softmax,
-            "seconds": body + head + softmax,
-        }
+        times = {"auto": [], "tiles": [], "floor": [], "matmul_gflops": [], "load_average": []}
+        for _ in range(args.repeats):  # alternated, the floor too: the machine's load falls on all alike
+            times["auto"].append(timed(auto.score))
+            times["tiles"].append(timed(tiles.score))
+            rate = matmul_gflops(torch.device("cpu"), torch.float32, 3)  # the head matmul's rate at this moment
+            body = body_seconds(model, layout, torch.device("cpu"), 1)
+            softmax = softmax_seconds_per_row(vocab, torch.device("cpu"), 1) * contexts
+            head = 2 * contexts * hidden * vocab / (rate * 1e9)
+            times["floor"].append(
+                {"body_seconds": body, "head_matmul_seconds": head, "softmax_seconds": softmax, "seconds": body + head + softmax}
+            )
+            times["matmul_gflops"].append(rate)
+            times["load_average"].append(os.getloadavg()[0])
+        row["evaluation_seconds"] = {k: min(times[k]) for k in ("auto", "tiles")}
+        row["evaluation_times"] = times
+        floor = min(times["floor"], key=lambda f: f["seconds"])
+        row["floor_distinct_contexts"] = {"contexts": contexts, **floor}
+        # The same round's ratio: the evaluation and the floor a few seconds apart.
+        row["auto_over_floor_per_round"] = [a / f["seconds"] for a, f in zip(times["auto"], times["floor"], strict=True)]
         if not args.skip_lm_eval:
             tokenizer = tokenizers["byte"] if byte_level else tokenizers["spm"]
             seconds, theirs = lm_eval_seconds(model, tokenizer, cache)
@@ -215,10 +221,13 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "matmul_gflops": gflops,
+        "load_average_start": os.getloadavg(),
         "shapes": {},
     }
     for name in names:
-        report["shapes"][name] = run_shape(name, tokenizers, args, gflops, log)
+        started = time.strftime("%H:%M", time.gmtime())
+        report["shapes"][name] = run_shape(name, tokenizers, args, log)
+        report["shapes"][name].update(started_utc=started, finished_utc=time.strftime("%H:%M", time.gmtime()))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return report

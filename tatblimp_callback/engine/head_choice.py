@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .scoring_method import LOGIT_SCALE
+from . import distributed
+from .scoring_method import LOGIT_SCALE, relative_tolerance
 from .tiled_head import chunked_logprobs, head_logprobs
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,27 @@ class HeadChoice:
         self.method, self._plan = method, None
         self.record = {"head_method": str(method), "chosen_by": reason}
 
+    def begin(
+        self, layout, prompts: bool, weight: torch.Tensor, dtype: torch.dtype, memory_budget: int, setup_seconds: float
+    ) -> None:
+        """At the first evaluation with the tiled head: time the head's candidates on its ``layout`` (``start``), or
+        keep the tiles where the head's work is too small to time or several processes each would time their own.
+
+        ``prompts``: forced-choice prompts (one context a row); ``weight``: the head's; ``dtype``: the model's (the
+        method check's tolerance is its); ``setup_seconds``: what the evaluation spent before its first forward call.
+        """
+        contexts = len(layout.batches.rows.order) if prompts else layout.total_positions - layout.padded_positions
+        if distributed.world()[1] > 1:
+            self.keep(TILES, "several processes (each would time its own)")
+        elif 2 * contexts * weight.shape[0] * weight.shape[1] < MIN_CHOICE_FLOPS:
+            self.keep(TILES, "head work too small to time")
+        else:
+            largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
+            methods = candidates(weight.device, weight.shape[0], weight.dtype, memory_budget, largest)
+            sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+            rtol = relative_tolerance(dtype, weight.device)
+            self.start(methods, contexts, layout.total_positions, setup_seconds, rtol, sync)
+
     def start(self, methods: list[HeadMethod], contexts: int, positions: int, setup_seconds: float, rtol: float, sync) -> None:
         """Begin timing ``methods`` in this evaluation: ``contexts`` and ``positions`` are its totals,
         ``setup_seconds`` what it has spent before its first forward call (the method check)."""
@@ -132,6 +154,19 @@ class HeadChoice:
             # The first piece (today's way, whose rate is not known yet): a small share of the contexts.
             "first": max(64, min(2048, contexts // (4 * ROUNDS * len(methods)))),
         }
+
+    def forward_logprobs(self, body: Callable[[], tuple], run: Callable, device: torch.device) -> torch.Tensor:
+        """A forward call's log-probs: ``body()`` runs its body and gives (hidden, contexts, targets, positions), timed
+        while choosing; ``run(method, hidden, contexts, targets)`` computes log-probs with one method."""
+        if not self.choosing:
+            return run(self.method or TILES, *body()[:3])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        hidden, contexts, targets, positions = body()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return self.batch_logprobs(run, hidden, contexts, targets, (time.perf_counter() - start, positions))
 
     def batch_logprobs(
         self, run: Callable, hidden: torch.Tensor, contexts: torch.Tensor, targets: torch.Tensor, body: tuple[float, int]

@@ -27,7 +27,7 @@ from ..tokenized.cache import SentenceCache
 from . import distributed, head_choice
 from .cells import Cells
 from .forward import model_output, read_logprobs
-from .head_choice import TILES, HeadChoice, HeadMethod, candidates
+from .head_choice import HeadChoice, HeadMethod
 from .memory_budget import (
     default_memory_budget,
     positions_per_forward,
@@ -224,7 +224,9 @@ class Scorer:
         self.check.when_due()  # its sample is laid out within the budget too
         self.setup_seconds["method_check"] = time.perf_counter() - start - self.setup_seconds["plan"]
         self._token_cells = None  # freed before this evaluation's own cells are made
-        self._start_head_choice(sequences)
+        if self.method.head == "tiled" and self.head.method is None:  # the first evaluation: time the head's candidates
+            layout, setup = self._layout(self.method, sequences, keep=True), sum(self.setup_seconds.values())
+            self.head.begin(layout, bool(self.cache.answer_ids), self._head_weight(), self._dtype(), self.memory_budget, setup)
         cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
         self.head.finish()
         if self.keep_token_logprobs and not self.cache.answer_ids:
@@ -240,28 +242,6 @@ class Scorer:
     def head_choice(self) -> dict | None:
         """What the head method was chosen by, and the candidates' timings where they were timed (for the results)."""
         return self.head.record if self.head_method is not None else None
-
-    def _start_head_choice(self, sequences: range | list[int] | None) -> None:
-        """At the first evaluation with the tiled head, time the head's candidates on it (``head_choice``)."""
-        if self.method.head != "tiled" or self.head.method is not None:
-            return
-        layout = self._layout(self.method, sequences, keep=True)
-        contexts = layout.total_positions - layout.padded_positions
-        if self.cache.answer_ids:
-            contexts = len(layout.batches.rows.order)
-        weight = self._head_weight()
-        if distributed.world()[1] > 1:
-            self.head.keep(TILES, "several processes (each would time its own)")
-        elif 2 * contexts * weight.shape[0] * weight.shape[1] < head_choice.MIN_CHOICE_FLOPS:
-            self.head.keep(TILES, "head work too small to time")
-        else:
-            largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
-            methods = candidates(weight.device, weight.shape[0], weight.dtype, self.memory_budget, largest)
-            sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
-            setup = sum(self.setup_seconds.values())
-            self.head.start(
-                methods, contexts, layout.total_positions, setup, relative_tolerance(self._dtype(), weight.device), sync
-            )
 
     def token_logprobs(self) -> list[list[float]]:
         """Every scored token's log-prob from the latest ``score()`` (with ``keep_token_logprobs``), per sentence in cache order.
@@ -381,21 +361,12 @@ class Scorer:
         if head != "tiled":
             return read_logprobs(self.lm, self._model_output(batch, head), batch, head, None, None).to(self.cache.device)
         device = self._head_weight().device
-        choosing = self.head.choosing
-        if choosing and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        output = self._model_output(batch, head)
-        # Under a device map the head may sit on another device than the last layer and the cache.
-        hidden, contexts, targets = output.to(device), batch.score_contexts.to(device), batch.score_targets.to(device)
-        if choosing:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            body = (time.perf_counter() - start, batch.num_positions)
-            logprobs = self.head.batch_logprobs(self._head_logprobs, hidden, contexts, targets, body)
-        else:
-            logprobs = self._head_logprobs(self.head.method or TILES, hidden, contexts, targets)
-        return logprobs.to(self.cache.device)
+
+        def body() -> tuple:  # under a device map the head may sit on another device than the last layer and the cache
+            hidden = self._model_output(batch, head).to(device)
+            return hidden, batch.score_contexts.to(device), batch.score_targets.to(device), batch.num_positions
+
+        return self.head.forward_logprobs(body, self._head_logprobs, device).to(self.cache.device)
 
     def _head_logprobs(self, method: HeadMethod, hidden, contexts, targets) -> torch.Tensor:
         return head_choice.method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)
