@@ -58,7 +58,11 @@ class HarnessTasks:
 
         extra = [include_path] if isinstance(include_path, str) else list(include_path or [])
         self.tasks, self.tokenizer, self.limit, self.memory_budget = list(tasks), tokenizer, limit, memory_budget
-        self.manager = TaskManager(include_path=[str(task_path()), *map(str, extra)])
+        paths = [str(task_path()), *map(str, extra)]
+        # The harness's own tasks are indexed (tens of thousands of YAML files, a minute on a loaded CPU) only when needed.
+        self.manager = TaskManager(include_path=paths, include_defaults=False)
+        if any(name not in self.manager.all_tasks for name in self.tasks):
+            self.manager = TaskManager(include_path=paths)
         unknown = [name for name in self.tasks if name not in self.manager.all_tasks]
         if unknown:
             raise ValueError(f"lm_eval_tasks: the harness knows no task {unknown} (include_path={include_path!r})")
