@@ -63,7 +63,6 @@ def monitor_forwards(model, tokenizer, small_data, **options) -> tuple[int, dict
     return count.calls, metrics, monitor
 
 
-@pytest.mark.slow
 def test_in_loop_harness_tasks_are_one_fused_sweep_and_encoded_once(bpe_tokenizer, small_data, local_tasks, monkeypatch):
     encodings = []
     original = TatBLiMPLM.tok_encode
