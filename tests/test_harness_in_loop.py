@@ -155,4 +155,11 @@ def test_torchrun_shards_the_harness_requests_and_both_log_one_process_numbers(b
         for name, value in one.items():
             assert rank["metrics"][name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    # Request by request, the greedy flags too (added over the processes as the log-probs are).
+    greedy = ranks[0]["one_process_greedy"]
+    assert [g for _, g in greedy] == [True, False] * 8  # the model's own greedy tokens, then one changed
+    for rank in ranks:
+        for key, alone in (("span_scores", ranks[0]["one_process_scores"]), ("greedy", greedy)):
+            assert [g for _, g in rank[key]] == [g for _, g in alone]
+            assert [lp for lp, _ in rank[key]] == pytest.approx([lp for lp, _ in alone], abs=1e-6)
     assert ranks[0]["published"] == 1 and ranks[1]["published"] == 0  # rank 0 publishes, as today
