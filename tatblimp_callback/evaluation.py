@@ -13,6 +13,7 @@ import torch
 
 from .engine import distributed
 from .engine.model_checks import input_device, weights_label
+from .engine.scored_spans import Spans
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
 from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine, vllm_scorer_for
 from .engine.word_surprisal import add_region_surprisal
@@ -83,9 +84,12 @@ class Evaluator:
             a folder or Hub id that a vLLM engine is started for (with ``vllm_options``), or a ``vllm.LLM``
             (taken as vLLM's whatever ``backend`` says); see ``vllm_scoring``.
         vllm_options: the engine's options (``vllm_scoring.VllmOptions``) with ``backend="vllm"`` and a path.
+        spans: token sequences scored on their last tokens only, in the same pass (``scored_spans.Spans``:
+            lm-evaluation-harness's requests, ``harness.in_training``); after each call ``span_scores`` holds
+            each one's ``(log-prob, is_greedy)``.
 
     Raises:
-        ValueError: neither ``tokenizer`` nor ``cache`` is given.
+        ValueError: neither ``tokenizer`` nor ``cache`` is given, or ``spans`` with a prebuilt cache or vLLM.
     """
 
     def __init__(
@@ -106,11 +110,14 @@ class Evaluator:
         include_tokens: bool = False,
         backend: str = "transformers",
         vllm_options: VllmOptions | None = None,
+        spans: Spans | None = None,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
-        if suites and cache is not None:
-            raise ValueError("suites= needs a tokenizer, not a prebuilt cache")
+        if (suites or spans) and cache is not None:
+            raise ValueError(f"{'suites' if suites else 'spans'}= needs a tokenizer, not a prebuilt cache")
+        if spans and backend != "transformers":
+            raise ValueError("spans= are scored by the transformers backend only")
         self.tokenizer = tokenizer
         self.data = data
         self.cache = cache
@@ -130,6 +137,9 @@ class Evaluator:
         self.backend = backend
         self.vllm_options = vllm_options
         self._scorer: Scorer | VllmScorer | None = None
+        self.spans = spans
+        self._spans_start = 0  # the first span's index in the fused cache
+        self.span_scores: list[tuple[float, bool]] = []  # the latest call's (log-prob, is_greedy) of each span
 
     def prepare(self, model: torch.nn.Module) -> Scorer:
         """Build (or move) the cache to the model's device and set up the scorer; done once per model."""
@@ -156,7 +166,11 @@ class Evaluator:
                 (name, replace(cache, token_ids=cache.token_ids.new_empty(0), _host_lengths=cache.lengths), start)
                 for (name, _, _), cache, start in zip(sources, caches, starts)
             ]
-            return (concat_caches(caches) if len(caches) > 1 else caches[0]).to(device)
+            if self.spans:  # last, with the padding token of the others; no results of their own
+                self._spans_start = starts[-1]
+                caches.append(self.spans.cache(caches[0].prefix_token_id))
+            fused = concat_caches(caches) if len(caches) > 1 else caches[0]
+            return replace(fused, span_tokens=tuple(self.spans.scored) if self.spans else ()).to(device)
 
         options = dict(memory_budget=self.memory_budget, truncate=self.truncate, method=self.method, head_method=self.head_method)
         if self.row_length is not None:
@@ -220,8 +234,12 @@ class Evaluator:
         chosen = None
         if len(parts) < len(self._parts):
             chosen = [s for _, cache, start in parts for s in range(start, start + cache.num_sentences)]
+            chosen += range(self._spans_start, scorer.cache.num_sentences) if self.spans else []
         logprobs, run_info = timed_score(scorer, chosen, weights)
         run_info["cache_bytes"] = scorer.cache.nbytes
+        if self.spans:
+            span_logprobs = logprobs[self._spans_start :].tolist()
+            self.span_scores = list(zip(span_logprobs, scorer.spans.greedy(), strict=True))
         results = None
         for name, cache, start in parts:
             end = start + cache.num_sentences

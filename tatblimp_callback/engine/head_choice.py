@@ -155,9 +155,12 @@ class HeadChoice:
             "first": max(64, min(2048, contexts // (4 * ROUNDS * len(methods)))),
         }
 
-    def forward_logprobs(self, body: Callable[[], tuple], run: Callable, device: torch.device) -> torch.Tensor:
+    def forward_logprobs(
+        self, body: Callable[[], tuple], run: Callable, device: torch.device, seconds: float = 0.0
+    ) -> torch.Tensor:
         """A forward call's log-probs: ``body()`` runs its body and gives (hidden, contexts, targets, positions), timed
-        while choosing; ``run(method, hidden, contexts, targets)`` computes log-probs with one method."""
+        while choosing (plus ``seconds`` of it run before); ``run(method, hidden, contexts, targets)`` computes
+        log-probs with one method."""
         if not self.choosing:
             return run(self.method or TILES, *body()[:3])
         if device.type == "cuda":
@@ -166,7 +169,7 @@ class HeadChoice:
         hidden, contexts, targets, positions = body()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return self.batch_logprobs(run, hidden, contexts, targets, (time.perf_counter() - start, positions))
+        return self.batch_logprobs(run, hidden, contexts, targets, (time.perf_counter() - start + seconds, positions))
 
     def batch_logprobs(
         self, run: Callable, hidden: torch.Tensor, contexts: torch.Tensor, targets: torch.Tensor, body: tuple[float, int]

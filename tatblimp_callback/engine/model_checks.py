@@ -155,7 +155,13 @@ def fit_to_context(lm: torch.nn.Module, cache: SentenceCache, truncate: bool) ->
 def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bool, room: int = 0) -> SentenceCache:
     """``fit_to_context`` for a model whose context is ``context`` tokens (None: unlimited), leaving ``room``
     positions after each sequence (vLLM generates one token after every prompt, within its context)."""
-    longest = max(cache.lengths)
+    spans = len(cache.span_tokens)  # harness requests, last: their last token is a target only
+    if spans and context is not None and max(cache.lengths[-spans:]) - 1 > context - room:
+        raise ScoringError(
+            f"a harness request of {max(cache.lengths[-spans:])} tokens is over the model's context of {context} plus one"
+        )
+    lengths = cache.lengths[: cache.num_sentences - spans]
+    longest = max(lengths, default=0)
     if context is None or longest <= context - room:
         return cache
     if room:
@@ -163,14 +169,14 @@ def fit_cache_to_context(cache: SentenceCache, context: int | None, truncate: bo
         context -= room
     else:
         what = f"the model's context of {context}"
-    k = cache.lengths.index(longest)
+    k = lengths.index(longest)
     if cache.answer_ids:
         raise ScoringError(
             f"forced-choice item {k} (pair {k // 2}, {'good' if k % 2 == 0 else 'bad'}_first) has {longest} prompt "
             f"tokens, more than {what}; a prompt cannot be cut without losing the question"
         )
     if not truncate:
-        too_long = sum(length > context for length in cache.lengths)
+        too_long = sum(length > context for length in lengths)
         raise ScoringError(
             f"{too_long:,} of {cache.num_sentences:,} sentences have more tokens than {what} "
             f"(the longest, pair {k // 2}'s {'good' if k % 2 == 0 else 'bad'} sentence, has {longest}); "

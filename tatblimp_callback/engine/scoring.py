@@ -47,6 +47,7 @@ from .model_checks import (
 )
 from .model_state import scoring_mode
 from .packing import Batch, Layout, TokenSequences, build_layout
+from .scored_spans import SpanReader
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .tiled_head import head_tile, plain_head_weight
 
@@ -154,6 +155,10 @@ class Scorer:
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
         self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
+        # The cache's spans (``cache.span_tokens``: lm-evaluation-harness's requests in the same pass), scored on
+        # their last tokens only, with greedy flags.
+        spans = self.cache.span_tokens
+        self.spans = SpanReader(self.cells, self.cache.num_sentences - len(spans), spans) if spans else None
 
     @property
     def method(self) -> ScoringMethod | None:
@@ -227,7 +232,9 @@ class Scorer:
         if self.method.head == "tiled" and self.head.method is None:  # the first evaluation: time the head's candidates
             layout, setup = self._layout(self.method, sequences, keep=True), sum(self.setup_seconds.values())
             self.head.begin(layout, bool(self.cache.answer_ids), self._head_weight(), self._dtype(), self.memory_budget, setup)
-        cells = self._score_cells(self.method, sequences, split=True, keep_layout=True)
+        if self.spans is not None:
+            self.spans.begin()
+        cells = self._score_cells(self.method, sequences, split=True, keep_layout=True, spans=self.spans)
         self.head.finish()
         if self.keep_token_logprobs and not self.cache.answer_ids:
             self._token_cells = cells
@@ -318,7 +325,7 @@ class Scorer:
         return layout
 
     def _score_cells(
-        self, method: ScoringMethod, sequences: range | list[int] | None = None, split: bool | None = None, keep_layout=False
+        self, method: ScoringMethod, sequences: range | list[int] | None = None, split=None, keep_layout=False, spans=None
     ) -> torch.Tensor:
         """The log-prob of every scored token (sentences) or answer (prompts), one cell each, written once
         (zeros where nothing is read): sequence ``s``'s cells start at ``self.cells.starts[s]``, in token (or answer) order.
@@ -326,22 +333,25 @@ class Scorer:
         Across processes (``split``, default: all sequences) the batches are dealt out and the cells
         added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
         check's sample) every process runs them all. A filler batch only keeps a sharded model's forward
-        calls in step. Each batch is built when it is read and freed before the next.
+        calls in step. Each batch is built when it is read and freed before the next. With ``spans``
+        (``scored_spans.SpanReader``) their sequences' context tokens are not read, and their greedy flags are kept.
         """
         cells = self.cells.empty()
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self._batch_logprobs(batch, method.head)
+            logprobs = self._batch_logprobs(batch, method.head, None if is_filler else spans)
             if not is_filler:
                 self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
         cells = distributed.sum_over_processes(cells) if split else cells
+        if spans is not None and split:
+            spans.misses = distributed.sum_over_processes(spans.misses)
         if method.layout != "padded":
-            cells = self._rescore_non_finite(cells, method.head)
+            cells = self._rescore_non_finite(cells, method.head, spans)
         return cells
 
-    def _rescore_non_finite(self, cells: torch.Tensor, head: str) -> torch.Tensor:
+    def _rescore_non_finite(self, cells: torch.Tensor, head: str, spans=None) -> torch.Tensor:
         """Score again, one sequence a row, the sequences with a NaN or inf log-prob.
 
         A NaN in one sequence of a packed or tree row spreads to the row's other sequences (masked
@@ -353,20 +363,33 @@ class Scorer:
         owners = self.cells.owners()
         bad = owners[~torch.isfinite(cells)].unique().tolist()
         theirs = torch.isin(owners, torch.tensor(bad, device=owners.device))
-        cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad)[theirs]
+        cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad, spans=spans)[theirs]
         return cells
 
-    def _batch_logprobs(self, batch: Batch, head: str) -> torch.Tensor:
-        """log p(target | context) of every (context, target) the batch scores, in float32, on the cache's device."""
+    def _batch_logprobs(self, batch: Batch, head: str, spans=None) -> torch.Tensor:
+        """log p(target | context) of every (context, target) the batch scores, in float32, on the cache's device
+        (with ``spans``: a span's context tokens 0, its continuation's through ``scored_spans``)."""
+        if spans is None:
+            return self._read(batch, head)
+        start = time.perf_counter()
+        output = self._model_output(batch, head)  # one forward call for both: the sentences' tokens are read below
+        return spans.batch_logprobs(
+            self, batch, output, head, lambda out, part: self._read(part, head, out, time.perf_counter() - start)
+        )
+
+    def _read(self, batch: Batch, head: str, output: torch.Tensor | None = None, seconds: float = 0.0) -> torch.Tensor:
+        """The log-probs of the batch's (context, target) pairs, from the forward call's ``output`` (taken ``seconds``
+        before), or from a forward call made here."""
         if head != "tiled":
-            return read_logprobs(self.lm, self._model_output(batch, head), batch, head, None, None).to(self.cache.device)
+            output = self._model_output(batch, head) if output is None else output
+            return read_logprobs(self.lm, output, batch, head, None, None).to(self.cache.device)
         device = self._head_weight().device
 
         def body() -> tuple:  # under a device map the head may sit on another device than the last layer and the cache
-            hidden = self._model_output(batch, head).to(device)
+            hidden = (self._model_output(batch, head) if output is None else output).to(device)
             return hidden, batch.score_contexts.to(device), batch.score_targets.to(device), batch.num_positions
 
-        return self.head.forward_logprobs(body, self._head_logprobs, device).to(self.cache.device)
+        return self.head.forward_logprobs(body, self._head_logprobs, device, seconds).to(self.cache.device)
 
     def _head_logprobs(self, method: HeadMethod, hidden, contexts, targets) -> torch.Tensor:
         return head_choice.method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)

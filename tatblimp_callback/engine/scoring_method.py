@@ -163,9 +163,10 @@ def reference_readout(forward, cache, sequences: list[int]) -> torch.Tensor:
     answers = list(cache.answer_ids)
     for s in sequences:
         ids = cache.token_ids[cache.offsets[s] : cache.offsets[s + 1]].unsqueeze(0)
-        logprobs = forward(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
+        inputs = ids if answers else ids[:, :-1]  # a sentence's last token is a target only
+        logprobs = forward(input_ids=inputs, use_cache=False).logits[0].float().log_softmax(-1)
         if answers:
             rows.append(logprobs[-1, answers].double())
         else:
-            rows.append(logprobs[:-1].gather(-1, ids[0, 1:, None]).double().sum())
+            rows.append(logprobs.gather(-1, ids[0, 1:, None]).double().sum())
     return torch.stack(rows).to(cache.device)

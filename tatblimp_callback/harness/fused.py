@@ -19,13 +19,14 @@ import torch
 
 from ..engine.cells import Cells
 from ..engine.forward import model_output
+from ..engine.greedy_head import head_logprobs_and_greedy
 from ..engine.model_checks import tree_mask_dtype
 from ..engine.model_state import scoring_mode
 from ..engine.packing import Batch, TokenSequences, build_layout
+from ..engine.scored_spans import sequence_cache
 from ..engine.scoring import Scorer
 from ..engine.tiled_head import head_tile, plain_head_weight
 from ..tokenized.cache import SentenceCache
-from .greedy_head import head_logprobs_and_greedy
 
 CHECK_TOKENS = 64  # tokens of each sequence the scoring method is checked on
 
@@ -47,27 +48,6 @@ def request_sequences(requests: Sequence[Request], max_length: int) -> tuple[lis
         sequences.append([*context, *continuation][-(max_length + 1) :])
         continuation_lengths.append(len(continuation))
     return sequences, continuation_lengths
-
-
-def sequence_cache(sequences: list[list[int]], pad_id: int, device: torch.device, name: str = "lm-eval") -> SentenceCache:
-    """The sequences as a ``SentenceCache`` on ``device`` (no pairs, no text): what the engine lays out and scores."""
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    empty = torch.zeros(0, dtype=torch.long)
-    return SentenceCache(
-        token_ids=torch.tensor([t for s in sequences for t in s], dtype=torch.long).to(device),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device),
-        byte_lengths=torch.zeros(len(sequences), dtype=torch.long, device=device),
-        phenomenon_index=empty.to(device),
-        subtype_index=empty.to(device),
-        phenomena=[],
-        subtypes=[],
-        prefix_token_id=pad_id,
-        tokenizer_name=name,
-        fingerprint=name,
-        benchmark_source=name,
-        benchmark_md5="",
-        benchmark_release="",
-    )
 
 
 class RequestScorer:
@@ -93,7 +73,7 @@ class RequestScorer:
             return []
         sequences, continuation_lengths = request_sequences(requests, max_length)
         device = next(self.model.parameters()).device
-        cache = sequence_cache(sequences, pad_id, device)
+        cache = sequence_cache(sequences, pad_id, device, "lm-eval")
         scorer = Scorer(self.model, self._check_cache(sequences, pad_id, device), **self._options)
         with scoring_mode(self.model):
             if self.method is None:  # the fastest layout whose numbers equal a plain forward, chosen once
@@ -125,7 +105,7 @@ class RequestScorer:
         long multiple-choice contexts took 40 of a call's 46 seconds). The rows themselves are laid out for the full
         sequences in ``score``: a full rolling window is one token longer than the context, its last a target only.
         """
-        return sequence_cache([s[:CHECK_TOKENS] for s in sequences], pad_id, device)
+        return sequence_cache([s[:CHECK_TOKENS] for s in sequences], pad_id, device, "lm-eval")
 
     def _cells(self, scorer: Scorer, layout, cells: Cells, head: str, continuation_lengths: list[int]):
         """Every continuation token's log-prob and greedy flag (1.0 or 0.0) in its cell; context cells stay 0 and 1."""

@@ -1,10 +1,17 @@
-"""lm-evaluation-harness tasks scored inside a training run, on the training model itself (no second copy).
+"""lm-evaluation-harness tasks scored inside a training run, on the training model itself, in TatBLiMP's fused pass.
 
-``HarnessTasks`` wraps the training model in ``--model tatblimp`` (``model.TatBLiMPLM``, given the model object:
-nothing is loaded or copied) and runs the harness's own ``evaluate`` on the tasks named, so that every number is
-the harness's: its requests, its ``process_results``, filters and aggregation, group scores included. Each
-evaluation's metrics come back flat, as ``lm_eval/<task>/<metric>`` (a filter other than ``none`` is added to the
-metric's name: ``exact_match_flexible-extract``); standard errors are left out.
+``HarnessTasks.prepare`` loads the tasks, builds their requests (the harness's own ``build_all_requests``, on one
+process: every process holds them all) and encodes each distinct request once, the harness's way
+(``model.TatBLiMPLM``, ``--model tatblimp`` wrapping the model object: nothing is loaded or copied; its
+``_encode_pair`` rule, its prefix token, its rolling windows), into ``Spans``: token sequences of which the
+continuation's tokens are scored. The evaluator puts them in TatBLiMP's cache, so that one layout and one sweep
+of forward calls (sharded over processes as TatBLiMP's are) give TatBLiMP's log-probs and each request's
+``(log-prob, is_greedy)`` (``engine/scored_spans.py``). ``metrics`` then runs the harness's own ``evaluate``
+with a model that answers every request from that table, so that every number is the harness's: its
+``process_results``, filters and aggregation, group scores included. The metrics come back flat, as
+``lm_eval/<task>/<metric>`` (a filter other than ``none`` is added to the metric's name:
+``exact_match_flexible-extract``); standard errors are left out. ``generate_until`` requests are the harness's
+``HFLM``'s, generated at each evaluation.
 """
 
 from __future__ import annotations
@@ -15,20 +22,25 @@ from typing import Any
 
 import torch
 
+from ..engine.model_state import scoring_mode
+from ..engine.scored_spans import Spans
 from . import task_path
+from .fused import request_sequences
 
 PREFIX = "lm_eval"
+SCORED = ("loglikelihood", "loglikelihood_rolling")  # the request types the fused pass answers
 
 
 class HarnessTasks:
-    """Score harness tasks (``["blimp", "my_mc_task"]``, groups too) on a model: ``harness(model)`` -> flat metrics.
+    """Harness tasks (``["blimp", "my_mc_task"]``, groups too) on a model: ``prepare(model)`` -> ``Spans`` once, then
+    ``metrics(span_scores)`` (or ``harness(model)``, a pass of its own) -> flat metrics at each evaluation.
 
     Args:
         tasks: task or group names the harness knows (its own, the TatBLiMP tasks, or those under ``include_path``).
         tokenizer: the model's tokenizer (what the harness encodes the requests with).
         include_path: a folder (or folders) of the caller's task YAML files.
         limit: score only the first ``limit`` documents of each task (a quick, partial run).
-        memory_budget: bytes of extra memory for the forward passes (None: the engine's default).
+        memory_budget: bytes of extra memory for the forward passes of ``harness(model)`` (None: the engine's default).
     """
 
     def __init__(
@@ -46,11 +58,19 @@ class HarnessTasks:
 
         extra = [include_path] if isinstance(include_path, str) else list(include_path or [])
         self.tasks, self.tokenizer, self.limit, self.memory_budget = list(tasks), tokenizer, limit, memory_budget
-        self.manager = TaskManager(include_path=[str(task_path()), *map(str, extra)])
+        paths = [str(task_path()), *map(str, extra)]
+        # The harness's own tasks are indexed (tens of thousands of YAML files, a minute on a loaded CPU) only when needed.
+        self.manager = TaskManager(include_path=paths, include_defaults=False)
+        if any(name not in self.manager.all_tasks for name in self.tasks):
+            self.manager = TaskManager(include_path=paths)
         unknown = [name for name in self.tasks if name not in self.manager.all_tasks]
         if unknown:
             raise ValueError(f"lm_eval_tasks: the harness knows no task {unknown} (include_path={include_path!r})")
         self._lm = None
+        self.task_dict = None  # the loaded tasks, kept: the harness's evaluate fills their instances in each time
+        self.spans: Spans | None = None
+        self._requests: list[tuple[list[int], list[int]]] = []  # every encoded (context, continuation), span order
+        self._owners: dict[tuple[str, tuple], list[int]] = {}  # (request type, args) -> its spans (rolling: windows)
 
     def _model_for(self, model: torch.nn.Module):
         from .model import TatBLiMPLM
@@ -59,19 +79,60 @@ class HarnessTasks:
             quiet = logging.getLogger("lm_eval.models.huggingface")
             level, quiet.level = quiet.level, logging.ERROR  # its warnings about a model passed as an object
             try:
-                self._lm = TatBLiMPLM(pretrained=model, tokenizer=self.tokenizer, memory_budget=self.memory_budget)
+                with scoring_mode(model):  # HFLM puts the model in eval mode: back as it was
+                    self._lm = TatBLiMPLM(pretrained=model, tokenizer=self.tokenizer, memory_budget=self.memory_budget)
             finally:
                 quiet.setLevel(level)
         return self._lm
 
-    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
-        """The harness's metrics of every task and group for ``model`` now, as ``lm_eval/<task>/<metric>``."""
-        from lm_eval.evaluator import evaluate
+    def prepare(self, model: torch.nn.Module) -> Spans:
+        """The tasks loaded, their requests built and each distinct one encoded, once: the sequences to score (none
+        when the tasks only generate)."""
+        if self.spans is not None:
+            return self.spans
+        from lm_eval.evaluator_utils import get_sample_size
 
         lm = self._model_for(model)
-        tasks = self.manager.load(self.tasks)  # built again each time: the harness's evaluate fills them in
-        out = evaluate(lm, tasks, limit=self.limit, bootstrap_iters=0, log_samples=False, verbosity="ERROR")
+        self.task_dict = self.manager.load(self.tasks)
+        for task in self.task_dict["tasks"].values():  # as the harness's evaluate builds them, on one process
+            task.build_all_requests(limit=get_sample_size(task, self.limit), rank=0, world_size=1)
+            for instance in task.instances:
+                key = (instance.request_type, tuple(instance.args))
+                if instance.request_type not in SCORED or key in self._owners:
+                    continue
+                if instance.request_type == "loglikelihood":
+                    encoded = lm.encode([instance])
+                else:
+                    encoded = lm.rolling_windows(instance.args[0])
+                self._owners[key] = list(range(len(self._requests), len(self._requests) + len(encoded)))
+                self._requests += encoded
+        sequences, continuation_lengths = request_sequences(self._requests, lm.max_length)
+        self.spans = Spans(sequences, continuation_lengths)
+        return self.spans
+
+    def metrics(self, span_scores: Sequence[tuple[float, bool]]) -> dict[str, float]:
+        """The harness's metrics of every task and group from each span's ``(log-prob, is_greedy)``, flat."""
+        from lm_eval.evaluator import evaluate
+
+        from .answers import TableLM
+
+        if len(span_scores) != len(self._requests):
+            raise ValueError(f"{len(span_scores)} span scores for {len(self._requests)} harness requests")
+        answers = {}
+        for (kind, args), spans in self._owners.items():
+            if kind == "loglikelihood":
+                answers[kind, args] = span_scores[spans[0]]
+            else:  # a string's rolling windows, added in window order
+                answers[kind, args] = sum(span_scores[k][0] for k in spans)
+        lm = TableLM(answers, generator=self._lm)
+        out = evaluate(lm, self.task_dict, limit=self.limit, bootstrap_iters=0, log_samples=False, verbosity="ERROR")
         return flat_metrics(out["results"])
+
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        """The harness's metrics for ``model`` now, its requests scored in a pass of their own (no TatBLiMP pass)."""
+        self.prepare(model)
+        lm = self._model_for(model)
+        return self.metrics(lm.request_scorer.score(self._requests, lm.prefix_token_id, lm.max_length))
 
 
 def flat_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:

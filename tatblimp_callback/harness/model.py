@@ -38,9 +38,32 @@ class TatBLiMPLM(HFLM):
         self.request_scorer = RequestScorer(
             self.model, memory_budget=int(memory_budget) if memory_budget else None, row_length=int(row_length)
         )
+        self._encoding_only = False
+
+    def encode(self, requests) -> list[tuple[list[int], list[int]]]:
+        """``(context tokens, continuation tokens)`` of each loglikelihood ``Instance``, nothing scored: the harness's own
+        encoding (``TemplateLM.loglikelihood``: ``_encode_pair``, the prefix token for an empty context)."""
+        self._encoding_only = True  # its _loglikelihood_tokens call gets the encoded requests: handed back as they are
+        try:
+            encoded = super().loglikelihood(requests, disable_tqdm=True)
+        finally:
+            self._encoding_only = False
+        return [(list(context), list(continuation)) for _, context, continuation in encoded]
+
+    def rolling_windows(self, string: str) -> list[tuple[list[int], list[int]]]:
+        """The ``(context, continuation)`` token windows of a rolling request, as ``HFLM.loglikelihood_rolling`` cuts them."""
+        rolling = get_rolling_token_windows(
+            token_list=self.tok_encode(string),
+            prefix_token=self.prefix_token_id,
+            max_seq_len=self.max_length,
+            context_len=1,
+        )
+        return [tuple(map(list, make_disjoint_window(window))) for window in rolling]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """``(log-prob, is_greedy)`` of each encoded ``(key, context tokens, continuation tokens)``, in order."""
+        if self._encoding_only:
+            return requests
         answers = self.request_scorer.score(
             [(context, continuation) for _, context, continuation in requests], self.prefix_token_id, self.max_length
         )
@@ -53,13 +76,7 @@ class TatBLiMPLM(HFLM):
         """Each string's log-likelihood over the harness's disjoint rolling windows, all windows scored in one call."""
         windows, owners = [], []
         for k, (string,) in enumerate(request.args for request in requests):
-            rolling = get_rolling_token_windows(
-                token_list=self.tok_encode(string),
-                prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length,
-                context_len=1,
-            )
-            for context, continuation in map(make_disjoint_window, rolling):
+            for context, continuation in self.rolling_windows(string):
                 windows.append((None, context, continuation))
                 owners.append(k)
         totals = [0.0] * len(requests)

@@ -72,10 +72,15 @@ class SentenceCache:
     # One character a pair, "1" where the edit starts and ends on token boundaries in both sentences, "0" where not
     # (``edit_tokens.edit_alignment``); "" when the tokenizer gives no character offsets (or for prompts).
     edit_aligned: str = ""
+    # Spans: the last ``len(span_tokens)`` sequences are scored on their last ``span_tokens[k]`` tokens only
+    # (lm-evaluation-harness's requests, ``engine/scored_spans.py``); their last token is a target only, so they
+    # may be one token longer than the model's context, as the harness cuts its windows. Never cut.
+    span_tokens: tuple[int, ...] = ()
     _host_lengths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.answer_ids = tuple(self.answer_ids)  # a list when read back from a saved cache
+        self.span_tokens = tuple(self.span_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -109,12 +114,14 @@ class SentenceCache:
         return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
 
     def cut_to(self, max_tokens: int) -> SentenceCache:
-        """A copy with every sentence longer than ``max_tokens`` cut to its first ``max_tokens`` tokens."""
+        """A copy with every sentence longer than ``max_tokens`` cut to its first ``max_tokens`` tokens (spans never)."""
         pieces, cut = [], []
+        sentences = self.num_sentences - len(self.span_tokens)
         for s, n in enumerate(self.lengths):
             start = int(self.offsets[s])
-            pieces.append(self.token_ids[start : start + min(n, max_tokens)])
-            if n > max_tokens:
+            keep = n if s >= sentences else min(n, max_tokens)
+            pieces.append(self.token_ids[start : start + keep])
+            if keep < n:
                 cut.append(s)
         lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.long, device=self.device)
         return replace(

@@ -161,9 +161,10 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
 
     lm_eval_tasks: list[str] | None = None
     """lm-evaluation-harness tasks (or groups) to score at each evaluation, on the training model (no second copy):
-    ``["blimp", "my_mc_task"]``. The harness's own ``evaluate`` runs with ``--model tatblimp`` wrapping the model, so
-    the metrics are the harness's (``process_results``, filters, aggregation), logged as ``lm_eval/<task>/<metric>``:
-    the numbers ``lm_eval --model hf`` prints for that checkpoint. Needs ``pip install lm-eval``."""
+    ``["blimp", "my_mc_task"]``. Their requests are built and encoded once and scored in TatBLiMP's fused pass (sharded
+    over processes with it); the harness's own ``evaluate`` turns them into its metrics (``process_results``, filters,
+    aggregation), logged as ``lm_eval/<task>/<metric>``: the numbers ``lm_eval --model hf`` prints for that checkpoint.
+    Needs ``pip install lm-eval``."""
 
     lm_eval_include_path: str | list[str] | None = None
     """Folders of your own harness task YAML files, for ``lm_eval_tasks`` (the TatBLiMP tasks are always included)."""

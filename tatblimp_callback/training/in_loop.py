@@ -140,7 +140,22 @@ class InLoopMonitor:
         s = self.settings
         if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not s.data:
             self._prepared_for = (tokenizer, s.data)
-            self.evaluator = self.fc_evaluator = None
+            self.evaluator = self.fc_evaluator = self.harness = None
+            spans = None
+            if getattr(
+                s, "lm_eval_tasks", None
+            ):  # built before TatBLiMP's cache, which holds its requests; lm_eval imported only then
+                from ..harness.in_training import HarnessTasks
+
+                self.harness = HarnessTasks(
+                    s.lm_eval_tasks,
+                    tokenizer,
+                    include_path=s.lm_eval_include_path,
+                    limit=s.lm_eval_limit,
+                    memory_budget=s.memory_budget,
+                )
+                if s.protocol != "forced-choice":  # scored in TatBLiMP's pass; without it, in a pass of their own
+                    spans = self.harness.prepare(unwrap_model(model))
             if s.protocol != "logprob":
                 self.fc_evaluator = ForcedChoiceEvaluator(
                     tokenizer,
@@ -161,17 +176,7 @@ class InLoopMonitor:
                     row_length=s.row_length,
                     cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
                     suites=s.suites,
-                )
-            self.harness = None
-            if getattr(s, "lm_eval_tasks", None):  # built with the other evaluators; lm_eval imported only then
-                from ..harness.in_training import HarnessTasks
-
-                self.harness = HarnessTasks(
-                    s.lm_eval_tasks,
-                    tokenizer,
-                    include_path=s.lm_eval_include_path,
-                    limit=s.lm_eval_limit,
-                    memory_budget=s.memory_budget,
+                    spans=spans,
                 )
         for evaluator in (self.fc_evaluator, self.evaluator):
             if evaluator is not None:
@@ -228,7 +233,11 @@ class InLoopMonitor:
             fc_evaluator = None if self.fc_evaluator is None else functools.partial(self.fc_evaluator, weights=weights)
             results = self.guarded(evaluator, model) if evaluator is not None else None
             fc_results = self.guarded(fc_evaluator, model) if fc_evaluator is not None else None
-            harness = self.guarded(self.harness, model) if self.harness is not None else None
+            harness = None
+            if self.harness is not None and self.evaluator is not None:  # from the fused pass's log-likelihoods
+                harness = self.guarded(self.harness.metrics, self.evaluator.span_scores) if results is not None else None
+            elif self.harness is not None:
+                harness = self.guarded(self.harness, model)
         metrics = self._metrics(step, results, fc_results, weights)
         metrics.update(harness or {})  # the harness tasks' own metrics, lm_eval/<task>/<metric>
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on

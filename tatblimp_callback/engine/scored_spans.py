@@ -1,0 +1,153 @@
+"""Sequences of which only the last tokens are scored, with greedy flags: lm-evaluation-harness's requests in the fused pass.
+
+A harness request is a context and a continuation; its log-likelihood is the sum of the continuation tokens'
+log-probs, and it is greedy when every continuation token is its position's argmax. ``Spans`` are such sequences
+(token ids, and how many tokens at the end are scored); the evaluator puts them in the same cache as TatBLiMP's
+sentences, so that one layout and one sweep of forward calls serve both, prefix-tree rows sharing positions across
+them. Within a batch (``SpanReader.batch_logprobs``) the model's body runs once; the sentences' tokens go through the
+scorer's own head, the spans' continuation tokens through ``greedy_head`` (log-prob and argmax from the same
+tiles), and a span's context tokens are never given to the head: their cells stay 0, so a span's log-prob is its
+cells' sum as for a sentence. Each continuation token that is not the argmax puts 1 in its cell of ``misses``,
+which are added over processes like the log-probs (each cell written by one process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..tokenized.cache import SentenceCache
+from .cells import Cells
+from .greedy_head import head_logprobs_and_greedy
+from .packing import Batch
+from .tiled_head import head_tile, plain_head_weight
+
+
+@dataclass
+class Spans:
+    """Token sequences scored on their last tokens only: ``sequences[k]``'s last ``scored[k]`` tokens.
+
+    Raises:
+        ValueError: a sequence without a token to condition on, or scoring none or all of its tokens.
+    """
+
+    sequences: list[list[int]]
+    scored: list[int]
+    name: str = "lm-eval"
+
+    def __post_init__(self):
+        for k, (ids, n) in enumerate(zip(self.sequences, self.scored, strict=True)):
+            if not 0 < n < len(ids):
+                raise ValueError(f"{self.name} sequence {k}: {n} scored tokens of {len(ids)}; at least one must precede them")
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def cache(self, prefix_token_id: int, device: torch.device | str = "cpu") -> SentenceCache:
+        """The sequences as a ``SentenceCache`` (no pairs, no text), padded with ``prefix_token_id``."""
+        return sequence_cache(self.sequences, prefix_token_id, torch.device(device), self.name)
+
+
+def sequence_cache(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device, name: str) -> SentenceCache:
+    """Token sequences as a ``SentenceCache`` on ``device`` (no pairs, no text): what the engine lays out and scores."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long)
+    return SentenceCache(
+        token_ids=torch.tensor([t for s in sequences for t in s], dtype=torch.long).to(device),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device),
+        byte_lengths=torch.zeros(len(sequences), dtype=torch.long, device=device),
+        phenomenon_index=empty.to(device),
+        subtype_index=empty.to(device),
+        phenomena=[],
+        subtypes=[],
+        prefix_token_id=pad_id,
+        tokenizer_name=name,
+        fingerprint=name,
+        benchmark_source=name,
+        benchmark_md5="",
+        benchmark_release="",
+    )
+
+
+class SpanReader:
+    """Which sequences of a scorer's cache are spans, from which cell on, and their greedy flags after a pass.
+
+    Args:
+        cells: the scorer's cells.
+        first: the index in the cache of the first span sequence (the spans come last, one after another).
+        scored: the tokens scored at the end of each span.
+    """
+
+    def __init__(self, cells: Cells, first: int, scored: Sequence[int]):
+        sequences = len(cells.widths)
+        self.first, self.count = first, len(scored)
+        self.is_span = torch.zeros(sequences, dtype=torch.bool, device=cells.device)
+        self.is_span[first : first + len(scored)] = True
+        # Each sequence's first scored slot: 0 for a sentence, the continuation's first for a span.
+        self.first_slot = torch.zeros(sequences, dtype=torch.long, device=cells.device)
+        widths = cells.widths[first : first + len(scored)]
+        self.first_slot[first : first + len(scored)] = widths - torch.tensor(list(scored), device=cells.device)
+        self.cells = cells
+        self.misses = cells.empty()  # 1 in each cell whose token is not its position's argmax (this pass)
+        self.tokens_read = 0  # continuation tokens this process gave the head in the latest pass
+
+    def begin(self) -> None:
+        """A new pass: no misses, nothing read."""
+        self.misses, self.tokens_read = self.cells.empty(), 0
+
+    def greedy(self) -> list[bool]:
+        """Each span's ``is_greedy`` from the latest pass (the misses added over processes)."""
+        misses = self.cells.reduce(self.misses)[self.first : self.first + self.count]
+        return (misses == 0).tolist()
+
+    def batch_logprobs(self, scorer, batch: Batch, output: torch.Tensor, head: str, read: Callable) -> torch.Tensor:
+        """The batch's log-probs, one per scored (context, target) as the scorer writes them: the sentences' from
+        ``read(output, part)`` (the scorer's head), the spans' continuations' from ``greedy_head`` (their misses
+        noted), 0 for a span's context tokens. ``output``: the forward call's hidden states (or logits) at the
+        batch's read positions."""
+        sequences, slots = batch.score_sentences, batch.score_slots
+        span = self.is_span[sequences]
+        wanted = slots >= self.first_slot[sequences]
+        logprobs = torch.zeros(slots.shape, dtype=torch.float32, device=self.cells.device)
+        plain = ~span
+        if plain.any():
+            logprobs[plain] = read(*_narrowed(output, batch, plain)).to(logprobs.device)
+        mine = span & wanted
+        if mine.any():
+            hidden, part = _narrowed(output, batch, mine)
+            lp, top = _greedy_logprobs(scorer, hidden, part, head)
+            logprobs[mine] = lp.to(logprobs.device)
+            self.misses[self.cells.starts[part.score_sentences] + part.score_slots] = (~top).to(self.misses)
+            self.tokens_read += int(mine.sum())
+        return logprobs
+
+
+def _narrowed(output: torch.Tensor, batch: Batch, keep: torch.Tensor) -> tuple[torch.Tensor, Batch]:
+    """The rows of ``output`` and the (context, target) pairs of ``batch`` that ``keep`` selects, contexts renumbered."""
+    read, inverse = batch.score_contexts[keep].unique(return_inverse=True)
+    part = replace(
+        batch,
+        score_positions=batch.score_positions[read],
+        score_contexts=inverse,
+        score_targets=batch.score_targets[keep],
+        score_sentences=batch.score_sentences[keep],
+        score_slots=batch.score_slots[keep],
+    )
+    return output[read.to(output.device)], part
+
+
+def _greedy_logprobs(scorer, hidden: torch.Tensor, part: Batch, head: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and whether the target is its context's argmax, through the head's tiles (or the model's logits)."""
+    lm = scorer.lm
+    if head == "tiled":
+        weight = plain_head_weight(lm)
+        bias, cap = lm.get_output_embeddings().bias, getattr(lm.config, "final_logit_softcapping", None)
+        tile = head_tile(weight.device, weight.shape[0], weight.dtype, scorer.memory_budget)
+        hidden = hidden.to(weight.device)
+    else:  # the model's own logits, softcapped already
+        weight = bias = cap = None
+        tile = head_tile(hidden.device, hidden.shape[-1], hidden.dtype, scorer.memory_budget)
+    contexts, targets = part.score_contexts.to(hidden.device), part.score_targets.to(hidden.device)
+    return head_logprobs_and_greedy(hidden, weight, bias, cap, contexts, targets, tile)
