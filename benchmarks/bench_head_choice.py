@@ -196,6 +196,21 @@ def run_shape(name: str, tokenizers: dict, args, log) -> dict:
     return row
 
 
+def log(message: str) -> None:
+    """A progress line with the time of day."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def shape_tokenizers(names: list[str]) -> dict:
+    """The tokenizers the shapes ``names`` need: ``"byte"`` (a 4K byte-level BPE) and ``"spm"`` (TATlit's 48K)."""
+    tokenizers = {}
+    if any(SHAPES[n][5] for n in names):
+        tokenizers["byte"] = byte_level_tokenizer(4096)
+    if any(not SHAPES[n][5] for n in names):
+        tokenizers["spm"] = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    return tokenizers
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -204,16 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
     names = args.shapes.split(",")
-    tokenizers = {}
-    if any(SHAPES[n][5] for n in names):
-        tokenizers["byte"] = byte_level_tokenizer(4096)
-    if any(not SHAPES[n][5] for n in names):
-        tokenizers["spm"] = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    tokenizers = shape_tokenizers(names)
     gflops = matmul_gflops(torch.device("cpu"), torch.float32, 10)
     report = {
         "machine": platform.processor() or platform.machine(),

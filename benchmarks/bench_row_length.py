@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_head_choice import SHAPES, byte_level_tokenizer, make_model, shape_cache
-from bench_scoring import SHARED, load_converted_tokenizer, machine_info, matmul_gflops
+from bench_head_choice import SHAPES, log, make_model, shape_cache, shape_tokenizers
+from bench_scoring import machine_info, matmul_gflops
 
 from tatblimp_callback import Scorer
 
@@ -73,16 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
     names = args.shapes.split(",")
-    tokenizers = {}
-    if any(SHAPES[n][5] for n in names):
-        tokenizers["byte"] = byte_level_tokenizer(4096)
-    if any(not SHAPES[n][5] for n in names):
-        tokenizers["spm"] = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    tokenizers = shape_tokenizers(names)
     report = {
         **machine_info(torch.device("cpu")),
         "started_utc": time.strftime("%H:%M", time.gmtime()),

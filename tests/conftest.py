@@ -107,6 +107,14 @@ def chat_tokenizer(bpe_tokenizer):
     return tokenizer
 
 
+@pytest.fixture(scope="session")
+def local_tasks(tmp_path_factory):
+    """A folder of the local lm-evaluation-harness tasks (``harness_tasks.write_tasks``: BLiMP subset, MC, rolling)."""
+    from harness_tasks import write_tasks
+
+    return write_tasks(tmp_path_factory.mktemp("tasks"), BLIMP, CORPUS)
+
+
 def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 

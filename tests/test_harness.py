@@ -17,8 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BLIMP, CORPUS, DATA, tiny_llama
-from harness_tasks import write_tasks
+from conftest import CORPUS, DATA, tiny_llama
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval import simple_evaluate  # noqa: E402
@@ -33,11 +32,6 @@ TatBLiMPLM = register()
 @pytest.fixture(autouse=True)
 def tatblimp_data(monkeypatch):
     monkeypatch.setenv("TATBLIMP_DATA", str(DATA))
-
-
-@pytest.fixture(scope="module")
-def local_tasks(tmp_path_factory):
-    return write_tasks(tmp_path_factory.mktemp("tasks"), BLIMP, CORPUS)
 
 
 def samples_by_task(out: dict) -> dict[str, list[dict]]:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BLIMP, CORPUS, DATA, tiny_llama
-from harness_tasks import write_tasks
+from conftest import CORPUS, DATA, tiny_llama
 
 pytest.importorskip("lm_eval")
 
@@ -29,11 +28,6 @@ BUDGET = 1 << 30  # a forward call's positions set by the rows, not by a budget 
 @pytest.fixture(autouse=True)
 def tatblimp_data(monkeypatch):
     monkeypatch.setenv("TATBLIMP_DATA", str(DATA))
-
-
-@pytest.fixture(scope="module")
-def local_tasks(tmp_path_factory):
-    return write_tasks(tmp_path_factory.mktemp("tasks"), BLIMP, CORPUS)
 
 
 class ForwardCount:
