@@ -142,9 +142,8 @@ class InLoopMonitor:
             self._prepared_for = (tokenizer, s.data)
             self.evaluator = self.fc_evaluator = self.harness = None
             spans = None
-            if getattr(
-                s, "lm_eval_tasks", None
-            ):  # built before TatBLiMP's cache, which holds its requests; lm_eval imported only then
+            # The harness tasks are built before TatBLiMP's cache, which holds their requests; lm_eval imported only then.
+            if getattr(s, "lm_eval_tasks", None):
                 from ..harness.in_training import HarnessTasks
 
                 self.harness = HarnessTasks(
@@ -234,10 +233,10 @@ class InLoopMonitor:
             results = self.guarded(evaluator, model) if evaluator is not None else None
             fc_results = self.guarded(fc_evaluator, model) if fc_evaluator is not None else None
             harness = None
-            if self.harness is not None and self.evaluator is not None:  # from the fused pass's log-likelihoods
-                harness = self.guarded(self.harness.metrics, self.evaluator.span_scores) if results is not None else None
-            elif self.harness is not None:
+            if self.harness is not None and self.evaluator is None:  # forced choice only: a pass of their own
                 harness = self.guarded(self.harness, model)
+            elif self.harness is not None and results is not None:  # from the fused pass's log-likelihoods
+                harness = self.guarded(self.harness.metrics, self.evaluator.span_scores)
         metrics = self._metrics(step, results, fc_results, weights)
         metrics.update(harness or {})  # the harness tasks' own metrics, lm_eval/<task>/<metric>
         if results is not None and new_step:  # regression alerts: <prefix>/alerts from the first one on
