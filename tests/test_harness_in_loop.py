@@ -157,3 +157,28 @@ def test_torchrun_shards_the_harness_requests_and_both_log_one_process_numbers(b
             assert [g for _, g in rank[key]] == [g for _, g in alone]
             assert [lp for lp, _ in rank[key]] == pytest.approx([lp for lp, _ in alone], abs=1e-6)
     assert ranks[0]["published"] == 1 and ranks[1]["published"] == 0  # rank 0 publishes, as today
+
+
+def test_in_loop_rolling_metrics_equal_the_harness_scoring_the_same_documents_itself(bpe_tokenizer, small_data, local_tasks):
+    """A rolling log-likelihood of a document longer than the context is the sum of its windows' spans in the fused
+    pass: the in-loop metrics equal those the harness computes with ``--model tatblimp`` scoring the documents."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    model = tiny_llama(len(bpe_tokenizer), seed=3)
+    options = dict(lm_eval_tasks=["local_rolling"], lm_eval_include_path=str(local_tasks), lm_eval_limit=LIMIT)
+    monitor = TatBLiMPCallback(data=small_data, allow_modified=True, memory_budget=BUDGET, **options)._monitor
+    monitor.prepare(bpe_tokenizer, model)
+    metrics = monitor.score(model, 0, lambda *_: None, main=True)
+    assert len(monitor.evaluator.spans) > LIMIT  # some of the 12 documents roll over several windows
+
+    out = simple_evaluate(
+        model=TatBLiMPLM(pretrained=model, tokenizer=bpe_tokenizer),
+        tasks=["local_rolling"],
+        limit=LIMIT,
+        task_manager=TaskManager(include_path=str(local_tasks), include_defaults=False),
+        bootstrap_iters=0,
+    )
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        expected = out["results"]["local_rolling"][f"{metric},none"]
+        assert metrics[f"lm_eval/local_rolling/{metric}"] == pytest.approx(expected, rel=1e-6), metric
