@@ -14,7 +14,9 @@ Each ``loglikelihood`` call is timed (the best of ``--rounds``, the two models a
 a shared machine falls on both; ``tatblimp``'s first call, which chooses the scoring method, is reported apart),
 every request's log-prob and ``is_greedy`` compared, and the peak extra memory
 of one call measured (CPU: tensor allocations recorded by the profiler; CUDA: ``max_memory_allocated``) on the
-first ``--memory-requests`` requests, since a call's peak is one batch's, whatever the number of requests.
+first ``--memory-requests`` requests, since a call's peak is one batch's, whatever the number of requests. Beside
+them, the head's matmul alone over every distinct scored context (``head_floor``), and each model's time as a
+multiple of it: no exact scorer can be faster than that floor, so ``hf``'s multiple bounds the possible speed-up.
 
     python benchmarks/bench_lm_eval_model.py --shape 1.5m --json benchmarks/results/lm-eval-model-1.5m.json
 """
@@ -79,6 +81,33 @@ def compare(theirs, ours) -> dict:
     }
 
 
+def head_floor(requests, lm, device) -> dict:
+    """What any exact scorer pays at least: the head's matmul (no normalisation) for each distinct scored context.
+
+    A continuation token's context is every token before it; requests that share one (a pair's common prefix, a
+    question's context) need its logits once. The matmul runs in the CPU head's 2,048 x 2,048 tiles, best of two.
+    """
+    contexts = set()
+    for request in requests:
+        context, continuation = request.args
+        if context:
+            context_tokens, continuation_tokens = lm._encode_pair(context, continuation)
+        else:
+            context_tokens, continuation_tokens = [lm.prefix_token_id], lm.tok_encode(continuation)
+        tokens = tuple(context_tokens + continuation_tokens)
+        contexts.update(hash(tokens[: len(context_tokens) + j]) for j in range(len(continuation_tokens)))
+    weight = lm.model.get_output_embeddings().weight.detach()
+    hidden = torch.randn(len(contexts), weight.shape[1], dtype=weight.dtype, device=device)
+
+    def matmuls():
+        for start in range(0, hidden.shape[0], 2048):
+            for first in range(0, weight.shape[0], 2048):
+                torch.nn.functional.linear(hidden[start : start + 2048], weight[first : first + 2048])
+
+    seconds = min(timed(matmuls, device)[1] for _ in range(2))
+    return {"contexts": len(contexts), "seconds": seconds}
+
+
 def measure(name, requests, models, device, rounds: int, memory_requests: int, log) -> dict:
     """hf's best of ``rounds`` calls; tatblimp's first call (with its one-time method check) and best of ``rounds`` more."""
     times = {label: [] for label in models}
@@ -103,12 +132,16 @@ def measure(name, requests, models, device, rounds: int, memory_requests: int, l
     report["agreement"] = compare(answers["hf"], answers["tatblimp"])
     report["speedup"] = report["hf"]["seconds"] / report["tatblimp"]["seconds"]
     report["speedup_first_call"] = report["hf"]["seconds"] / first
+    floor = report["head_floor"] = head_floor(requests, models["hf"], device)
+    for label in models:
+        report[f"{label}_over_floor"] = report[label]["seconds"] / floor["seconds"]
     log(
         f"{name}: {len(requests):,} requests, hf {report['hf']['seconds']:.1f} s, tatblimp {report['tatblimp']['seconds']:.1f} s "
         f"({report['speedup']:.2f}x; first call {first:.1f} s, {report['speedup_first_call']:.2f}x); max |diff| "
         f"{report['agreement']['max_abs_logprob_diff']:.2e} nats, is_greedy differs {report['agreement']['is_greedy_differs']}; "
         f"peak extra MiB hf {report['hf']['peak_extra_bytes'] / 2**20:.0f}, "
-        f"tatblimp {report['tatblimp']['peak_extra_bytes'] / 2**20:.0f}"
+        f"tatblimp {report['tatblimp']['peak_extra_bytes'] / 2**20:.0f}; head matmul floor {floor['seconds']:.1f} s "
+        f"({floor['contexts']:,} distinct contexts): hf {report['hf_over_floor']:.2f}x, tatblimp {report['tatblimp_over_floor']:.2f}x"
     )
     return report
 
