@@ -95,7 +95,7 @@ def head_floor(requests, lm, device) -> dict:
         else:
             context_tokens, continuation_tokens = [lm.prefix_token_id], lm.tok_encode(continuation)
         tokens = tuple(context_tokens + continuation_tokens)
-        contexts.update(hash(tokens[: len(context_tokens) + j]) for j in range(len(continuation_tokens)))
+        contexts.update(tokens[: len(context_tokens) + j] for j in range(len(continuation_tokens)))
     weight = lm.model.get_output_embeddings().weight.detach()
     hidden = torch.randn(len(contexts), weight.shape[1], dtype=weight.dtype, device=device)
 

@@ -156,11 +156,11 @@ def test_a_new_budget_makes_a_new_plan(sentences_cache, monkeypatch):
     failed = []
     original = Scorer._batch_logprobs
 
-    def out_of_memory_once(self, batch, head):
+    def out_of_memory_once(self, batch, head, spans=None):
         if not failed:
             failed.append(1)
             raise torch.OutOfMemoryError("simulated")
-        return original(self, batch, head)
+        return original(self, batch, head, spans)
 
     monkeypatch.setattr(Scorer, "_batch_logprobs", out_of_memory_once)
     assert torch.equal(scorer.score(), expected)

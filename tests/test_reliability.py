@@ -197,13 +197,13 @@ class OutOfMemoryAbove:
         self.limit, self.failed, self.refs = limit, 0, []
         original = Scorer._batch_logprobs
 
-        def forward(scorer, batch, head):
+        def forward(scorer, batch, head, spans=None):
             if batch.num_positions > self.limit:
                 activations = torch.empty(batch.num_positions, 64)
                 self.refs += [weakref.ref(activations), weakref.ref(batch.input_ids)]
                 self.failed += 1
                 raise torch.OutOfMemoryError(f"test: {batch.num_positions} positions do not fit")
-            return original(scorer, batch, head)
+            return original(scorer, batch, head, spans)
 
         monkeypatch.setattr(Scorer, "_batch_logprobs", forward)
 
@@ -453,13 +453,13 @@ def test_ctrl_c_during_an_evaluation_leaves_train_mode_and_a_savable_trainer(bpe
     original = Scorer._batch_logprobs
     seen = {}
 
-    def forward(scorer, batch, head):
+    def forward(scorer, batch, head, spans=None):
         if trainer.state.global_step == 2:
             seen["training"] = scorer.model.training
             seen["rng"] = torch.get_rng_state()
             torch.rand(8)  # the interrupted evaluation had drawn random numbers
             raise KeyboardInterrupt
-        return original(scorer, batch, head)
+        return original(scorer, batch, head, spans)
 
     monkeypatch.setattr(Scorer, "_batch_logprobs", forward)
     model = tiny_llama(len(bpe_tokenizer))

@@ -340,8 +340,7 @@ class Scorer:
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
         for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            use = spans is not None and not is_filler
-            logprobs = self._batch_logprobs(batch, method.head, spans) if use else self._batch_logprobs(batch, method.head)
+            logprobs = self._batch_logprobs(batch, method.head, None if is_filler else spans)
             if not is_filler:
                 self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
