@@ -106,13 +106,14 @@ class Monitors:
         c[:, 0] = (~reference_overall & passed).sum(1)
         return b, c
 
-    def _window_p_values(self, w: int, level: float) -> np.ndarray:
-        """Window w's exact p-values (1.0 without the minimum drop, or where the normal screen puts it far above
-        ``level``, the most an alert can need)."""
+    def _window_p_values(self, w: int, lag: int, level: float) -> np.ndarray:
+        """The exact p-values of the last w evaluations against the w that end ``lag`` before them (1.0 without the
+        minimum drop, or where the normal screen puts it far above ``level``, the most an alert can need)."""
         shape = self.best_score.shape
-        if len(self.recent) < 2 * w:
+        if len(self.recent) < 2 * w + lag:
             return np.ones(shape)
-        d = sum(e.astype(np.int8) for e in self.recent[-2 * w : -w]) - sum(e.astype(np.int8) for e in self.recent[-w:])
+        reference = self.recent[-2 * w - lag :][:w]
+        d = sum(e.astype(np.int8) for e in reference) - sum(e.astype(np.int8) for e in self.recent[-w:])
         statistic = self._sum(d)
         magnitudes = [self._sum(np.abs(d) == m) for m in range(1, w + 1)]
         squares = sum(m * m * count for m, count in enumerate(magnitudes, 1))
@@ -127,7 +128,7 @@ class Monitors:
         """The alerts of this evaluation (runs x groups booleans) of each mode."""
         earlier, self.evaluations = self.evaluations, self.evaluations + 1
         alerts = {mode: np.zeros(self.best_score.shape, bool) for mode in self.modes}
-        self.recent = [*self.recent[-5:], passed]
+        self.recent = [*self.recent[-alert_windows.KEPT + 1 :], passed]
         if earlier:
             b, c = self._counts(self.best_phenomena, self.best_overall, passed)
             drop = (b - c) / self.sizes
@@ -144,9 +145,10 @@ class Monitors:
             shares = {mode: value for mode, value in shares.items() if mode in self.modes}
             if shares:
                 level = self.alpha * max(shares.values())  # the screen's: the most that any alert could need
-                windows = [p_previous] + [
-                    self._window_p_values(w, weight * level)
-                    for w, weight in zip(alert_windows.WINDOWS[1:], alert_budget.WINDOW_WEIGHTS[1:])
+                weights, _ = alert_budget.pooled_weights(earlier)
+                windows = [
+                    p_previous if (w, lag) == (1, 0) else self._window_p_values(w, lag, weight * level)
+                    for (w, lag), weight in zip(alert_windows.WINDOW_TESTS, weights)
                 ]
                 pooled = alert_budget.pooled_group_p_value(windows, p_best, earlier)
                 for mode, value in shares.items():
@@ -305,10 +307,11 @@ def main() -> None:
     parser.add_argument("--runs-late", type=int, default=1000, help="null runs of 500 evaluations or more")
     parser.add_argument("--lengths", type=int, nargs="+", default=[20, 100, 500])
     parser.add_argument("--detection-runs", type=int, default=1000, help="runs of each fall (fewer for a fall at 500)")
-    parser.add_argument("--detection-runs-late", type=int, default=300, help="runs of each fall at the 500th evaluation")
+    parser.add_argument("--detection-runs-late", type=int, default=1000, help="runs of each fall at the 500th evaluation")
     parser.add_argument("--noises", nargs="+", default=list(NOISE_MODELS), choices=NOISE_MODELS)
     parser.add_argument("--falls", nargs="+", default=["0.5", "0.7", "overall -5"], help="the falls detected")
     parser.add_argument("--no-false-alarms", action="store_true", help="the detection figures only")
+    parser.add_argument("--no-detection", action="store_true", help="the false-alarm figures only")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="the modes measured")
     parser.add_argument("--reserve", type=float, help="pooled_planned's reserve (default: the package's)")
     parser.add_argument("--histories", type=int, default=200)
@@ -340,7 +343,8 @@ def main() -> None:
             "alert_q": DEFAULT_ALERT_Q,
             "min_drop": DEFAULT_MIN_DROP,
             "seed": args.seed,
-            "pooled_window_weights": list(alert_budget.WINDOW_WEIGHTS),
+            "pooled_window_tests": [list(test) for test in alert_windows.WINDOW_TESTS],
+            "pooled_width_weights": list(alert_budget.WIDTH_WEIGHTS),
             "pooled_best_weight": alert_budget.BEST_WEIGHT,
             "planned_reserve": alert_budget.PLAN_RESERVE,
         },
@@ -372,7 +376,7 @@ def main() -> None:
             key = ("false_alarms", noise, length, runs)
             arguments = (groups, index, runs, length, noise, args.seed, args.chunk, modes)
             figures["false_alarms"].append(measured(key, false_alarms, *arguments))
-    for noise in [noise for noise in args.noises if noise != "drift"]:
+    for noise in [noise for noise in args.noises if noise != "drift" and not args.no_detection]:
         for what in args.falls:
             for at in args.lengths:
                 runs = args.detection_runs_late if at >= 500 else args.detection_runs

@@ -109,7 +109,55 @@ def test_the_sign_flip_p_value_is_exact_by_enumeration_and_mcnemar_with_one_eval
             assert sign_flip_p_value(magnitudes, s) == pytest.approx(np.mean([x >= s for x in sums]), abs=1e-12)
     assert sign_flip_p_value((0, 0, 0), 0) == 1.0
     assert sign_flip_p_value((23,), 20 - 3) == pytest.approx(alert_budget.fall_p_value(20, 3))
-    # the pooled group p-value: the smallest of each window's p over its weight and the best's times earlier over 0.1
-    assert alert_budget.pooled_group_p_value([1.0, 1e-4, 1.0], 1e-5, 30) == pytest.approx(1e-4 / 0.1)
-    assert alert_budget.pooled_group_p_value([1e-4, 1.0, 1e-4], 1.0, 30) == pytest.approx(1e-4 / 0.45)
-    assert sum(alert_budget.WINDOW_WEIGHTS) + alert_budget.BEST_WEIGHT == pytest.approx(1.0)
+
+def test_the_pooled_group_p_value_is_the_smallest_weighted_p_value_and_the_weights_sum_to_one():
+    """12 window tests (widths 1, 2, 3, each against 4 earlier windows) weighted 0.2 / 4, 0.1 / 4 and 0.65 / 4, and
+    the best weighted 0.05, its p-value times the evaluations it was chosen from."""
+    from tatblimp_callback.results.alert_windows import WINDOW_TESTS
+
+    assert WINDOW_TESTS == ((1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 2), (2, 4), (2, 6), (3, 0), (3, 3), (3, 6), (3, 9))
+    only = [1.0] * 12
+    only[4] = 1e-4  # the last 2 against the 2 before them
+    assert alert_budget.pooled_group_p_value(only, 1e-5, 30) == pytest.approx(1e-4 / 0.025)
+    assert alert_budget.pooled_group_p_value(only, 1e-6, 30) == pytest.approx(1e-6 * 30 / 0.05)
+    only[4], only[11] = 1.0, 1e-4  # the last 3 against the 3 that end 9 evaluations before them
+    assert alert_budget.pooled_group_p_value(only, 1.0, 30) == pytest.approx(1e-4 / 0.1625)
+    assert alert_budget.pooled_group_p_value([1.0] * 12, 1.0, 30) == 1.0
+    # early in a run the tests that fit share the whole: at the 2nd evaluation the previous one and the best, half
+    # each; at the 6th, windows of 2 to 6 evaluations, 0.05 x 4 + 0.025 x 2 + 0.1625 + 0.05 = 0.4625 of base weight
+    assert alert_budget.pooled_group_p_value([1e-4] + [1.0] * 11, 1.0, 1) == pytest.approx(1e-4 / 0.5)
+    assert alert_budget.pooled_group_p_value([1.0] * 12, 1e-4, 1) == pytest.approx(1e-4 / 0.5)
+    assert alert_budget.pooled_weights(5)[0][8] == pytest.approx(0.1625 / 0.4625)  # the last 3 against the 3 before
+    assert alert_budget.pooled_weights(5)[0][9] == 0.0  # the 3 that end 3 before them: 9 evaluations needed
+    weights = sum(alert_budget.window_weight(width) for width, _ in WINDOW_TESTS)
+    assert weights + alert_budget.BEST_WEIGHT == pytest.approx(1.0)
+    for earlier in range(1, 20):
+        windows, best = alert_budget.pooled_weights(earlier)
+        assert sum(windows) + best == pytest.approx(1.0)
+
+
+def test_a_window_against_an_earlier_one_counts_the_pairs_by_hand_and_holds_its_level_when_outcomes_are_kept():
+    """The last 3 evaluations against the 3 that end 3 before them: the evaluations between are not compared. On a
+    chain that keeps each pair's outcome and redraws a fifth (reversible, as the long-runs guide assumes), the
+    lagged windows' p-values are at or below 0.05 in at most 5% of 4,000 groups of 80 pairs."""
+    from tatblimp_callback.results.alert_windows import sign_flip_p_value, window_counts
+
+    recent = ["111", "110", "100", "000", "000", "000", "000", "011", "001"]
+    # compared: "111", "110", "100" (the first 3) against "000", "011", "001" (the last 3); "000" x 3 between
+    counts = window_counts(recent, 3, lag=3)
+    assert (counts.n, counts.statistic, counts.magnitudes, counts.lag) == (3, 3 + 1 - 1, (2, 0, 1), 3)  # d: 3, 1, -1
+    assert (counts.before_score, counts.after_score) == (6 / 9, 3 / 9)
+    assert window_counts(recent, 3, lag=4) is None  # 10 evaluations needed
+    assert window_counts(recent, 1, lag=2).statistic == 0 - 1  # "000" (3 before) against "001"
+    rng = np.random.default_rng(5)
+    chance = rng.beta(7, 3, (4000, 80))
+    passed = rng.random((4000, 80)) < chance
+    history = []
+    for _ in range(15):
+        again = rng.random((4000, 80)) < 0.2
+        passed = np.where(again, rng.random((4000, 80)) < chance, passed)
+        history.append(passed)
+    for width, lag in ((3, 9), (2, 6), (1, 3)):
+        texts = [[encode_outcomes(bool(v) for v in e[g]) for e in history] for g in range(4000)]
+        p = [sign_flip_p_value(c.magnitudes, c.statistic) for c in (window_counts(t, width, lag) for t in texts)]
+        assert np.mean(np.array(p) <= 0.05) <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 4000)

@@ -109,12 +109,13 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
     alerts = [a for r in history for a in r["alerts"]]
     assert len(alerts) == 1 and [a["step"] for r in history for a in r["alerts"]] == [24]
     (alert,) = alerts
-    # Measured against the previous evaluation (step 20: a smaller p-value than the best's, which pays for being
-    # chosen among five), or against the best earlier one.
-    best = max((s for s in steps if s < 24), key=lambda s: (score[s], -s))
-    best = 20 if alert["reference"] == "previous" else best
-    assert (alert["benchmark"], alert["group"], alert["best_step"]) == ("tatblimp", "target", best)
-    assert alert["best_score"] == score[best] and alert["score"] == score[24] and alert["q_value"] < 1e-2, alert
+    # Every pair of the phenomenon passes at steps 4 to 20 and fails at 24, so the last evaluation against the
+    # previous one and the last 3 against the 3 before them (steps 4-12 against 16-24) have the same p-value,
+    # 2^-24, and the pooled window, with the larger weight (0.1625 against 0.05 of base weight), names the alert.
+    assert all(score[s] == 1.0 for s in steps[1:6]) and score[24] == 0.0
+    assert (alert["benchmark"], alert["group"], alert["reference"], alert["best_step"]) == ("tatblimp", "target", "last 3", 4)
+    assert alert["best_score"] == 1.0 and alert["score"] == pytest.approx(2 / 3) and alert["p_value"] == pytest.approx(2.0**-24)
+    assert alert["q_value"] < 1e-2, alert
     assert alert["mode"] == "pooled"  # the default: a false-alarm budget for the whole run
     # The report's replay of the history file gives the alerts the callback raised, to the last digit, under the
     # plan every record names: the run's 11 evaluations (0, 4, ..., 40), from max_steps and eval_steps.
@@ -126,7 +127,7 @@ def test_a_phenomenon_made_to_fall_at_step_24_alerts_there_once_and_the_control_
     assert unplanned[0].q_value == pytest.approx(alert["q_value"] * 0.09 / alert_budget.look_share(6))
     # The warning line names the phenomenon, both steps, both scores and q.
     (line,) = [w for w in seen["warnings"] if "REGRESSION" in w]
-    for part in ("target", f"step {best}", "step 24", f"{score[best]:.4f}", f"{score[24]:.4f}", "q = "):
+    for part in ("target", "from 1.0000 over the 3 evaluations from step 4", "to 0.6667 over the 3 up to step 24", "q = "):
         assert part in line
     # The count, logged from the first alert on (as failures): 1 from step 24.
     counts = {e["step"]: e["tatblimp/alerts"] for e in seen["log_history"] if "tatblimp/alerts" in e}

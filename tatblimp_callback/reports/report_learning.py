@@ -40,13 +40,13 @@ def _alerts_section(sweeps: list[Run]) -> str:
         "<h2>Regression alerts</h2>",
         '<div class="meta">A phenomenon or overall score significantly below earlier evaluations (exact tests on '
         "the pairs) by at least 5 points of acc_norm, once until it recovers. Replayed and default alerts hold a "
-        "false-alarm rate of 0.05 for the whole run (the last 1, 2 and 3 evaluations compared with as many before them, "
-        "and the latest with the best earlier one, each evaluation spending its own share, evenly over the run's "
-        "planned evaluations where its records name the plan); alerts written in the "
+        "false-alarm rate of 0.05 for the whole run (the last 1, 2 and 3 evaluations compared with each of the 4 "
+        "windows of as many before them, and the latest with the best earlier one, each evaluation spending its own "
+        "share, evenly over the run's planned evaluations where its records name the plan); alerts written in the "
         "per_evaluation mode: q &lt; 0.05 at each evaluation (Benjamini-Hochberg). The reference is the best earlier "
-        "evaluation unless marked &ldquo;previous&rdquo;, or &ldquo;last 2&rdquo; or &ldquo;last 3&rdquo; (the "
-        "pooled score of the last 2 or 3 evaluations against that of as many before them, from the reference step "
-        "on).</div>",
+        "evaluation unless marked &ldquo;previous&rdquo;, &ldquo;earlier&rdquo; (one of the 3 before the previous), "
+        "or &ldquo;last 2&rdquo; or &ldquo;last 3&rdquo; (the pooled score of the last 2 or 3 evaluations against "
+        "that of as many earlier ones, from the reference step on).</div>",
     ]
     for run in sweeps:
         alerts, recorded = run_alerts(run)

@@ -1,17 +1,20 @@
-"""Pooled windows for regression alerts: a group's last w evaluations against the w evaluations before them.
+"""Pooled windows for regression alerts: a group's last w evaluations against earlier windows of w.
 
 A fall that is moderate at one evaluation is clear over a few: the ``"pooled"`` alert mode (the default) compares,
-for w = 1, 2 and 3, the window of a group's last w evaluations (the current one included) with the window of the
-w evaluations before it, with the pairs as the unit. For each pair finite in all 2w evaluations, d is the number of
-those before it passes minus the number of the last w it passes (from -w to w); the statistic is S = sum d, and
-the pooled drop S / (w n) over the n pairs.
+for w = 1, 2 and 3, the window of a group's last w evaluations (the current one included) with each of the
+``REFERENCES`` windows of w evaluations before it: the w just before, the w before those, and so on (``lag``: the
+evaluations between the two windows, 0, w, 2w, ...). Pairs are the unit. For each pair finite in both windows, d is
+the number of the earlier window's evaluations it passes minus the number of the last w it passes (from -w to w);
+the statistic is S = sum d, and the pooled drop S / (w n) over the n pairs.
 
-The test is an exact sign-flip test: if the pair's outcomes over the 2w evaluations are as likely in one order of
-time as in the reverse one (outcomes drawn again around fixed pass chances, or kept and redrawn at random, as a
-stationary Markov chain is), each d is as likely as -d, independently of the other pairs, so given the |d| the
-chance of a sum at least S is that of sum of +-|d| with fair independent signs (``sign_flip_p_value``). Pass
-chances that rise only make S smaller. With w = 1 it is the exact one-sided McNemar test against the previous
-evaluation (``alert_budget.fall_p_value``).
+The test is an exact sign-flip test: if the pair's outcomes over the 2w + lag evaluations from the earlier window
+on are as likely in one order of time as in the reverse one (outcomes drawn again around fixed pass chances, or
+kept and redrawn at random, as a stationary Markov chain is), each d is as likely as -d, since the reverse order
+swaps the two windows, independently of the other pairs, so given the |d| the chance of a sum at least S is that of
+sum of +-|d| with fair independent signs (``sign_flip_p_value``). Pass chances that rise only make S smaller. With
+w = 1 it is the exact one-sided McNemar test against one earlier evaluation (``alert_budget.fall_p_value``).
+Several earlier windows make several references for the same last w evaluations: a fall is compared with more of
+the run before it, and each reference brings its own noise, so one that happens to be low does not hide the fall.
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ from functools import lru_cache
 
 from .stats import OUTCOME_NOT_FINITE, OUTCOME_PASS
 
-WINDOWS = (1, 2, 3)
-MAX_MAGNITUDE = max(WINDOWS)
+WIDTHS = (1, 2, 3)
+REFERENCES = 4  # earlier windows each width is compared with
+# (width, lag) of every window test, in the order of alert_budget.pooled_group_p_value's weights
+WINDOW_TESTS = tuple((width, k * width) for width in WIDTHS for k in range(REFERENCES))
+KEPT = max(2 * width + lag for width, lag in WINDOW_TESTS)  # the evaluations the longest test spans
 
 
 @dataclass(frozen=True)
 class WindowCounts:
     """A window comparison of one group: ``n`` pairs finite in all its evaluations, ``statistic`` S = sum d,
-    ``magnitudes[m - 1]`` the pairs with |d| = m, and the pooled pass rates of the two windows on the n pairs."""
+    ``magnitudes[m - 1]`` the pairs with |d| = m, and the pooled pass rates of the two windows on the n pairs;
+    ``lag``: the evaluations between the windows."""
 
     window: int
     n: int
@@ -37,20 +44,23 @@ class WindowCounts:
     magnitudes: tuple[int, ...]
     before_score: float
     after_score: float
+    lag: int = 0
 
     @property
     def drop(self) -> float:
         return self.statistic / (self.window * self.n) if self.n else 0.0
 
 
-def window_counts(recent: Sequence[str], window: int) -> WindowCounts | None:
+def window_counts(recent: Sequence[str], window: int, lag: int = 0) -> WindowCounts | None:
     """The comparison of the last ``window`` outcome strings of ``recent`` (oldest first, the current one last)
-    with the ``window`` before them; None where ``recent`` has fewer than 2 ``window``."""
+    with the ``window`` that end ``lag`` evaluations before them; None where ``recent`` has fewer than
+    2 ``window`` + ``lag``."""
     import numpy as np  # here, not at the top: `tatblimp --help` loads no numpy
 
-    if len(recent) < 2 * window:
+    if len(recent) < 2 * window + lag:
         return None
-    codes = np.array([np.frombuffer(text.encode("ascii"), np.uint8) for text in recent[-2 * window :]])
+    compared = [*recent[-2 * window - lag :][:window], *recent[-window:]]
+    codes = np.array([np.frombuffer(text.encode("ascii"), np.uint8) for text in compared])
     finite = (codes != ord(OUTCOME_NOT_FINITE)).all(0)
     passes = (codes[:, finite] == ord(OUTCOME_PASS)).astype(np.int64)
     before, after = passes[:window].sum(0), passes[window:].sum(0)
@@ -58,7 +68,8 @@ def window_counts(recent: Sequence[str], window: int) -> WindowCounts | None:
     n = int(finite.sum())
     magnitudes = tuple(int(count) for count in np.bincount(np.abs(d), minlength=window + 1)[1 : window + 1])
     scale = window * n if n else 1
-    return WindowCounts(window, n, int(d.sum()), magnitudes, int(before.sum()) / scale, int(after.sum()) / scale)
+    before_score, after_score = int(before.sum()) / scale, int(after.sum()) / scale
+    return WindowCounts(window, n, int(d.sum()), magnitudes, before_score, after_score, lag)
 
 
 @lru_cache(maxsize=65536)

@@ -5,10 +5,10 @@ compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.p
 
 - ``"pooled"`` (the default): the chance that a run which never regresses raises any alert is at most ``alpha``,
   over the whole run, whatever the number of evaluations and groups (``alert_budget.py``). Each group's last 1, 2
-  and 3 evaluations are compared with the as many before them (exact sign-flip tests over the pairs,
-  ``alert_windows.py``; one evaluation: McNemar against the previous one), and its current evaluation with the
-  best earlier one (exact one-sided McNemar, corrected for the choice of the best), each test with its weight of
-  the group's share; each evaluation spends its own share of ``alpha``, split over the groups by Holm's method.
+  and 3 evaluations are compared with each of the 4 windows of as many evaluations before them (exact sign-flip
+  tests over the pairs, ``alert_windows.py``; one evaluation: McNemar against one of the 4 before), and its current
+  evaluation with the best earlier one (exact one-sided McNemar, corrected for the choice of the best), each test
+  with its weight of the group's share; each evaluation spends its own share of ``alpha``, split over the groups by Holm's method.
   With a plan (the run's planned number of evaluations, given to ``observe`` and written in every history-file
   record as ``alert_plan``), the budget is spread evenly over the planned evaluations, a reserve kept for any
   beyond the plan (``alert_budget.Spending``).
@@ -43,15 +43,15 @@ DEFAULT_ALERT_Q = 0.05
 DEFAULT_MIN_DROP = 0.05
 ALERT_MODES = ("pooled", "per_run", "per_evaluation")
 DEFAULT_ALERT_MODE = "pooled"
-_KEPT = 2 * max(alert_windows.WINDOWS) - 1  # earlier evaluations a group's windows need
+_KEPT = alert_windows.KEPT - 1  # earlier evaluations a group's windows need
 
 
 @dataclass(frozen=True)
 class RegressionAlert:
     """One group's significant fall: ``score`` at ``step`` against ``best_score`` at ``best_step`` (acc_norm), the
-    reference (``reference``: "best", the best earlier evaluation; "previous", the one before; "last 2" or "last 3":
-    the pooled score of the last 2 or 3 evaluations, ``score``, against that of the as many before them, from
-    ``best_step`` on, ``best_score``, on the ``n`` pairs finite in all of them)."""
+    reference (``reference``: "best", the best earlier evaluation; "previous", the one before; "earlier", one of the
+    3 before that; "last 2" or "last 3": the pooled score of the last 2 or 3 evaluations, ``score``, against that of
+    as many earlier evaluations, from ``best_step`` on, ``best_score``, on the ``n`` pairs finite in all of them)."""
 
     benchmark: str  # "tatblimp" (the log prefix) or a suite's name
     group: str  # "overall" or a phenomenon
@@ -87,7 +87,7 @@ class RegressionAlert:
             how = f"exact one-sided McNemar on {self.n} pairs, within the run's false-alarm budget"
         else:
             how = f"exact McNemar on {self.n} pairs, Benjamini-Hochberg adjusted"
-        which = " (the previous evaluation)" if self.reference == "previous" else ""
+        which = {"previous": " (the previous evaluation)", "earlier": " (an earlier evaluation)"}.get(self.reference, "")
         return (
             f"{self.benchmark} {self.group} acc_norm fell from {self.best_score:.4f} at step {self.best_step}{which} to "
             f"{self.score:.4f} at step {self.step} (q = {self.q_value:.2g}, {how})"
@@ -265,7 +265,7 @@ class RegressionMonitor:
             if self._recovered_or_fallen(c) or not q_value <= self.alpha:
                 continue
             self._fallen.add(c.key)
-            alerts.append(self._alert(c, earlier, counts, p_value, float(q_value), reference))
+            alerts.append(self._alert(c, earlier, counts.n, p_value, float(q_value), reference))
         return alerts
 
     def _pooled(self, compared: list[_Comparison], share: float) -> list[RegressionAlert]:
@@ -273,9 +273,11 @@ class RegressionMonitor:
         for c in compared:
             p_best = alert_budget.fall_p_value(c.against_best.baseline_only, c.against_best.run_only)
             p_best = p_best if _drop(c.against_best) >= self.min_drop else 1.0
-            tests = [(p_best * max(c.earlier, 1) / alert_budget.BEST_WEIGHT, p_best, None)]
-            for w, weight in zip(alert_windows.WINDOWS, alert_budget.WINDOW_WEIGHTS):
-                counts = alert_windows.window_counts([e.outcomes for e in c.recent], w)
+            weights, best_weight = alert_budget.pooled_weights(c.earlier)
+            tests = [(p_best * max(c.earlier, 1) / best_weight, p_best, None)]
+            outcomes = [e.outcomes for e in c.recent]
+            for (w, lag), weight in zip(alert_windows.WINDOW_TESTS, weights):
+                counts = alert_windows.window_counts(outcomes, w, lag)
                 if counts is None or not counts.n or counts.drop < self.min_drop:
                     continue
                 p = alert_windows.sign_flip_p_value(counts.magnitudes, counts.statistic)
@@ -290,14 +292,16 @@ class RegressionMonitor:
                 continue
             self._fallen.add(c.key)
             if counts is None:
-                alerts.append(self._alert(c, c.best, c.against_best, p_value, float(q_value), "best"))
-            elif counts.window == 1:
-                alerts.append(self._alert(c, c.previous, c.against_previous, p_value, float(q_value), "previous"))
+                alerts.append(self._alert(c, c.best, c.against_best.n, p_value, float(q_value), "best"))
+                continue
+            reference = c.recent[-2 * counts.window - counts.lag]  # the first evaluation of the earlier window
+            if counts.window == 1:
+                name = "previous" if counts.lag == 0 else "earlier"
+                alerts.append(self._alert(c, reference, counts.n, p_value, float(q_value), name))
             else:
-                start = c.recent[-2 * counts.window].step
                 alert = RegressionAlert(
-                    c.benchmark, c.group, c.current.step, start, counts.after_score, counts.before_score, counts.n,
-                    float(p_value), float(q_value), self.mode, f"last {counts.window}",
+                    c.benchmark, c.group, c.current.step, reference.step, counts.after_score, counts.before_score,
+                    counts.n, float(p_value), float(q_value), self.mode, f"last {counts.window}",
                 )  # fmt: skip
                 alerts.append(alert)
         return alerts
@@ -312,12 +316,12 @@ class RegressionMonitor:
                 continue
             if q_value < self.alpha and _drop(c.against_best) >= self.min_drop:
                 self._fallen.add(c.key)
-                alerts.append(self._alert(c, c.best, c.against_best, c.against_best.p_value, q_value, "best"))
+                alerts.append(self._alert(c, c.best, c.against_best.n, c.against_best.p_value, q_value, "best"))
         return alerts
 
-    def _alert(self, c: _Comparison, earlier: _Evaluation, counts: PairedCounts, p_value, q_value, reference) -> RegressionAlert:
+    def _alert(self, c: _Comparison, earlier: _Evaluation, n: int, p_value, q_value, reference) -> RegressionAlert:
         return RegressionAlert(
-            c.benchmark, c.group, c.current.step, earlier.step, c.current.score, earlier.score, counts.n,
+            c.benchmark, c.group, c.current.step, earlier.step, c.current.score, earlier.score, n,
             float(p_value), float(q_value), self.mode, reference,
         )  # fmt: skip
 

@@ -184,7 +184,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
 
     alert_mode: str = "pooled"
     """``"pooled"`` (a false-alarm budget for the whole run, however many evaluations; the last 1, 2 and 3
-    evaluations against as many before them, and the best earlier one), ``"per_run"`` (the same budget, the previous
+    evaluations against each of the 4 windows of as many before them, and the best earlier one), ``"per_run"`` (the same budget, the previous
     and the best evaluations only) or ``"per_evaluation"`` (``alert_q`` at each evaluation, so the chances add up
     over a long run); see the long-runs guide."""
 
