@@ -110,6 +110,7 @@ def test_the_sign_flip_p_value_is_exact_by_enumeration_and_mcnemar_with_one_eval
     assert sign_flip_p_value((0, 0, 0), 0) == 1.0
     assert sign_flip_p_value((23,), 20 - 3) == pytest.approx(alert_budget.fall_p_value(20, 3))
 
+
 def test_the_pooled_group_p_value_is_the_smallest_weighted_p_value_and_the_weights_sum_to_one():
     """12 window tests (widths 1, 2, 3, each against 4 earlier windows) weighted 0.2 / 4, 0.1 / 4 and 0.65 / 4, and
     the best weighted 0.05, its p-value times the evaluations it was chosen from."""
