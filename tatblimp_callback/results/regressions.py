@@ -8,10 +8,10 @@ compared pair by pair with earlier evaluations (acc_norm outcomes, see ``stats.p
   and 3 evaluations are compared with each of the 4 windows of as many evaluations before them (exact sign-flip
   tests over the pairs, ``alert_windows.py``; one evaluation: McNemar against one of the 4 before), and its current
   evaluation with the best earlier one (exact one-sided McNemar, corrected for the choice of the best), each test
-  with its weight of the group's share; each evaluation spends its own share of ``alpha``, split over the groups by Holm's method.
-  With a plan (the run's planned number of evaluations, given to ``observe`` and written in every history-file
-  record as ``alert_plan``), the budget is spread evenly over the planned evaluations, a reserve kept for any
-  beyond the plan (``alert_budget.Spending``).
+  with its weight of the group's share; each evaluation spends its own share of ``alpha``, split over the groups
+  by Holm's method. With a plan (the run's planned number of evaluations, given to ``observe`` and written in
+  every history-file record as ``alert_plan``), the budget is spread evenly over the planned evaluations, a
+  reserve kept for any beyond the plan (``alert_budget.Spending``).
 - ``"per_run"`` (the default before pooling): the same budget, with the previous and the best evaluations only.
 - ``"per_evaluation"`` (the earliest behaviour): the best earlier evaluation only (exact two-sided McNemar, times
   the number of earlier evaluations), Benjamini-Hochberg adjusted over the groups of the evaluation, q below
