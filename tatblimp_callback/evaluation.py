@@ -179,6 +179,13 @@ class Evaluator:
         scorer.keep_token_logprobs = self.include_tokens
         return scorer
 
+    def close(self) -> None:
+        """Let the last model's scorer go; a vLLM engine this evaluator started is shut down (the tokenized cache stays)."""
+        close = getattr(self._scorer, "close", None)
+        if close is not None:
+            close()
+        self._scorer = None
+
     def _region_surprisal(self, records, model, cache) -> None:
         """With ``include_tokens``: each pair's critical-region surprisal (``engine/word_surprisal.py``), a pass of its own."""
         if self.tokenizer is None or not isinstance(model, torch.nn.Module) or distributed.world()[1] > 1:
@@ -361,7 +368,11 @@ def evaluate(
     """
     if tokenizer is None and options.get("cache") is None and is_vllm_engine(model):
         tokenizer = engine_tokenizer(model)  # the one the engine loaded
-    return Evaluator(tokenizer, data, **options)(model)
+    evaluator = Evaluator(tokenizer, data, **options)
+    try:
+        return evaluator(model)
+    finally:
+        evaluator.close()  # a vLLM engine started for this one call
 
 
 def _suite_cache_path(cache_path: str | os.PathLike | None, name: str) -> Path | None:

@@ -148,6 +148,7 @@ import json, sys
 
 if __name__ == "__main__":  # vLLM's engine process imports this file again
     import tatblimp_callback.cli, tatblimp_callback.evaluation
+    from tatblimp_callback.engine.vllm_scoring import shutdown_engine
     from tatblimp_callback.evaluation import evaluate
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,11 +172,12 @@ if __name__ == "__main__":  # vLLM's engine process imports this file again
         evaluate(llm, data=data, allow_modified=True)
     except ValueError as err:
         report["no_tokenizer"] = str(err)
+    # Before the interpreter exits: left to exit-time teardown, vLLM's output reader can still be freeing tensors
+    # as Python finalizes, and the worker aborts (SIGABRT, "terminate called without an active exception").
+    shutdown_engine(llm)
+    report["reader_alive"] = llm.llm_engine.engine_core.output_queue_thread.is_alive()
     with open(out, "w") as file:
         json.dump(report, file)
-    # Shut the engine down before the interpreter exits: left to exit-time teardown, the engine process can die
-    # first and the client's threads abort the worker (SIGABRT, "terminate called without an active exception").
-    llm.llm_engine.engine_core.shutdown()
 """
 
 
@@ -190,6 +192,7 @@ def test_a_vllm_llm_scores_like_the_default_backend_with_an_eos_prefix_and_bad_i
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["vllm_imported_by_default_backend"] is False
+    assert report["reader_alive"] is False  # shutdown_engine waited for vLLM's output reader
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -268,9 +271,10 @@ if __name__ == "__main__":
 
 
 EDGE_WORKER = """
-import json, sys
+import json, multiprocessing, sys, threading
 
 if __name__ == "__main__":  # vLLM's engine process imports this file again
+    from tatblimp_callback.engine.vllm_scoring import shutdown_engine
     from tatblimp_callback.evaluation import evaluate
     from transformers import AutoTokenizer
 
@@ -289,9 +293,14 @@ if __name__ == "__main__":  # vLLM's engine process imports this file again
     except Exception as err:
         report["llm"] = f"{type(err).__name__}: {err}"
     report["truncated"] = evaluate(llm, tokenizer, data, allow_modified=True, truncate=True).to_dict()
+    shutdown_engine(llm)  # before exit-time teardown, as in WORKER
+    # From a path: evaluate starts an engine of its own and shuts it down, its reader and processes gone, on return.
+    from_path = evaluate(short, tokenizer, data, allow_modified=True, backend="vllm", truncate=True)
+    report["truncated_from_path"] = from_path.to_dict()
+    report["left_running"] = [t.name for t in threading.enumerate() if t.name.startswith("EngineCore")]
+    report["left_running"] += [p.name for p in multiprocessing.active_children()]
     with open(out, "w") as file:
         json.dump(report, file)
-    llm.llm_engine.engine_core.shutdown()  # before exit-time teardown, as in WORKER
 """
 
 
@@ -335,3 +344,5 @@ def test_a_sentence_exactly_at_the_context_leaves_vllm_room_for_its_generated_to
     assert (pair["good_tokens"], report["truncated"]["truncated_sentences"]) == (14, 1)
     expected = reference_logprobs(model, [ids(at_context)[:15], ids(shorter)])
     assert [pair["good_logprob"], pair["bad_logprob"]] == pytest.approx(expected, rel=1e-4)
+    assert report["truncated_from_path"]["pairs"] == report["truncated"]["pairs"]
+    assert report["left_running"] == []

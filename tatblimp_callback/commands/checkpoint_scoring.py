@@ -77,10 +77,7 @@ class CheckpointScorer:
         try:
             results = self._evaluators[key](model)
         finally:
-            close = getattr(self._evaluators[key]._scorer, "close", None)  # a vLLM engine: shut down before the next
-            if close is not None:
-                close()
-            self._evaluators[key]._scorer = None  # it holds this model: let it go before the next checkpoint loads
+            self._evaluators[key].close()  # it holds this model (or its vLLM engine): gone before the next loads
         record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
         if mismatches is not None:
             record["sentencepiece_mismatches"] = mismatches
