@@ -184,9 +184,9 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
 
     alert_mode: str = "pooled"
     """``"pooled"`` (a false-alarm budget for the whole run, however many evaluations; the last 1, 2 and 3
-    evaluations against each of the 4 windows of as many before them, and the best earlier one), ``"per_run"`` (the same budget, the previous
-    and the best evaluations only) or ``"per_evaluation"`` (``alert_q`` at each evaluation, so the chances add up
-    over a long run); see the long-runs guide."""
+    evaluations against each of the 4 windows of as many before them, and the best earlier one), ``"per_run"``
+    (the same budget, the previous and the best evaluations only) or ``"per_evaluation"`` (``alert_q`` at each
+    evaluation, so the chances add up over a long run); see the long-runs guide."""
 
     alert_min_drop: float = 0.05
     """An alert needs a fall of at least this much acc_norm (0.05: 5 points) from the best earlier evaluation."""
