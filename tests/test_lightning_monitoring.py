@@ -224,3 +224,32 @@ def test_early_stopping_counts_an_unscored_evaluation_as_no_improvement(
         # What step 4 logs: the count of failures, and no score of other weights.
         assert (logged[4]["tatblimp/failures"], logged[4]["tatblimp/acc_norm"]) == ("1.0", "")
         assert (logged[3]["tatblimp/failures"], logged[5]["tatblimp/failures"]) == ("", "1.0")
+
+
+def test_a_finite_check_is_set_aside_only_while_its_key_holds_an_unscored_nan():
+    from tatblimp_callback.training.lightning_monitoring import UnscoredChecks, expose
+
+    ours = EarlyStopping(monitor="tatblimp/acc_norm", mode="max")
+    other = EarlyStopping(monitor="val_loss", mode="min")
+    trainer = L.Trainer(callbacks=[ours, other], logger=False)
+    checks = UnscoredChecks()
+    is_ours = lambda name: name.startswith("tatblimp/")  # noqa: E731
+    expose(trainer, {"tatblimp/acc_norm": 0.5}, is_ours, 0, checks)
+    assert ours.check_finite is True
+    expose(trainer, {"tatblimp/failures": 1.0}, is_ours, 1, checks)  # a failed evaluation
+    assert trainer.callback_metrics["tatblimp/acc_norm"].isnan() and ours.check_finite is False and other.check_finite
+    expose(trainer, {"tatblimp/acc_norm": 0.6, "tatblimp/failures": 1.0}, is_ours, 2, checks)
+    assert ours.check_finite is True
+    expose(trainer, {"tatblimp/acc_norm": float("nan")}, is_ours, 3, checks)  # a NaN scoring gave: not set aside
+    assert ours.check_finite is True
+    expose(trainer, {}, is_ours, 4, checks)
+    assert ours.check_finite is False
+    checks.put_back()  # training ended, or stopped on an error
+    assert ours.check_finite is True
+    # A check the user turned off stays off.
+    off = EarlyStopping(monitor="tatblimp/acc_norm", mode="max", check_finite=False)
+    trainer = L.Trainer(callbacks=[off], logger=False)
+    expose(trainer, {"tatblimp/acc_norm": 0.5}, is_ours, 0, checks)
+    expose(trainer, {}, is_ours, 1, checks)
+    checks.put_back()
+    assert off.check_finite is False

@@ -4,8 +4,8 @@ The revisions are listed, chosen, grouped by commit and ordered by ``revisions.p
 to the sweep as a run folder hands its checkpoints (``sweep._RunFolder``): each commit is fetched
 (``revision_downloads.py``: the files a model needs, the next one while this one is scored), scored by the same
 ``CheckpointScorer`` and written as one line of the results file, ``<org>--<name>.tatblimp.jsonl`` by default, with
-the revision's name, every name of its commit, the commit, the position its name gives and, for a re-upload, the
-commit it replaces. A revision that cannot be fetched or loaded is written to the failures file with why, and the
+the revision's name, every name of its commit, the commit, the position its name gives and, for a name that moved
+here (a branch moved on, or a re-upload), the commit it left (``replaces``). A revision that cannot be fetched or loaded is written to the failures file with why, and the
 sweep goes on; a rerun tries it again. Under torchrun each process fetches only the revisions it scores.
 """
 
