@@ -156,9 +156,100 @@ def test_early_stopping_on_a_suite_key_that_suite_every_skips_is_warned_of(tmp_p
     trainer = L.Trainer(callbacks=[callback, EarlyStopping(monitor="blimp/acc_norm", mode="max")], logger=False)
     with caplog.at_level("WARNING", logger="tatblimp_callback"):
         warn_about_monitors(trainer, callback)
-    assert "EarlyStopping(monitor='blimp/acc_norm') stops training at the first NaN (check_finite=True)" in caplog.text
+    assert (
+        "EarlyStopping(monitor='blimp/acc_norm'): blimp is scored at every 3-th evaluation only (suite_every), every 6 "
+        "steps; at the evaluations between, blimp/acc_norm is NaN (ModelCheckpoint ranks it the worst, EarlyStopping "
+        "counts it as no improvement); make the checks every 6 steps"
+    ) in caplog.text
     caplog.clear()
     trainer = L.Trainer(callbacks=[callback, EarlyStopping(monitor="tatblimp/acc_norm", mode="max")], logger=False)
     with caplog.at_level("WARNING", logger="tatblimp_callback"):
         warn_about_monitors(trainer, callback)
-    assert "check_finite" not in caplog.text  # TatBLiMP is scored at every evaluation
+    assert "suite_every" not in caplog.text  # TatBLiMP is scored at every evaluation
+
+
+@pytest.mark.parametrize("unscored", ["failed evaluation", "suite skipped"])
+def test_early_stopping_counts_an_unscored_evaluation_as_no_improvement(
+    tmp_path, bpe_tokenizer, small_data, monkeypatch, caplog, unscored
+):
+    """One evaluation fails (or skips the monitored suite) at an epoch end: EarlyStopping reads NaN there, which the
+    Trainer callback's EarlyStoppingCallback counts as no improvement; with check_finite=True, Lightning's default, it
+    stopped the run at that step (issue #51: step 4 of 12 with patience=100)."""
+    import csv
+
+    from tatblimp_callback import evaluation
+
+    options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
+    if unscored == "failed evaluation":  # the evaluation of step 4 fails; epochs of 2 steps: checked at 2, 4, ..., 12
+        score, calls = evaluation.Evaluator.__call__, []
+
+        def fails_at_step_4(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 5:  # steps 0, 1, 2, 3, then 4
+                raise RuntimeError("injected")
+            return score(self, *args, **kwargs)
+
+        monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_at_step_4)
+        monitor, rows, nan_steps, unscored_steps = "tatblimp/acc_norm", 8, [4], [4]
+    else:  # blimp at every 2nd evaluation (even steps); epochs of 3 steps: checked at 3, 6, 9, 12
+        options.update(suites={"blimp": blimp_slice(tmp_path)}, suite_every={"blimp": 2})
+        monitor, rows, nan_steps, unscored_steps = "blimp/acc_norm", 12, [3, 9], list(range(1, 12, 2))
+    callback = TatBLiMPLightningCallback(**options)
+    stopping = EarlyStopping(monitor=monitor, mode="max", patience=100)  # check_finite=True, the default
+    seen = Probe(monitor)
+    with caplog.at_level("INFO", logger="tatblimp_callback"):
+        trainer = fit(
+            Wrapped(len(bpe_tokenizer)), None, tmp_path, 12, bpe_tokenizer, callbacks=[callback, seen, stopping], rows=rows
+        )
+    assert trainer.global_step == 12 and not trainer.should_stop and stopping.stopped_epoch == 0
+    checks = list(range(rows // 4, 13, rows // 4))  # the epoch ends (4 rows a batch)
+    assert [step for step in checks if seen.seen[step] != seen.seen[step]] == nan_steps  # NaN there, never a stale score
+    best, wait = float("-inf"), 0
+    for step in checks:  # the Trainer callback's rule: NaN is no improvement
+        value = seen.seen[step]
+        best, wait = (value, 0) if value > best else (best, wait + 1)
+    assert stopping.best_score.item() == best and stopping.wait_count == wait
+    assert stopping.check_finite is True  # the user's setting, as it was
+    set_aside = [r.getMessage() for r in caplog.records if "check_finite" in r.getMessage()]
+    assert set_aside == [
+        f"tatblimp: step {step}: {monitor} was not scored (NaN): EarlyStopping(monitor={monitor!r}) counts it as no "
+        "improvement, its check_finite set aside until the key is scored again"
+        for step in unscored_steps
+    ]
+    if unscored == "failed evaluation":
+        assert callback.failures == 1 and "scoring failed (failure 1); training continues" in caplog.text
+        assert [e["step"] for e in callback.history] == [s for s in range(13) if s != 4]  # no curve point at 4
+        with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+            logged = {int(r["step"]): r for r in csv.DictReader(handle)}
+        # What step 4 logs: the count of failures, and no score of other weights.
+        assert (logged[4]["tatblimp/failures"], logged[4]["tatblimp/acc_norm"]) == ("1.0", "")
+        assert (logged[3]["tatblimp/failures"], logged[5]["tatblimp/failures"]) == ("", "1.0")
+
+
+def test_a_finite_check_is_set_aside_only_while_its_key_holds_an_unscored_nan():
+    from tatblimp_callback.training.lightning_monitoring import UnscoredChecks, expose
+
+    ours = EarlyStopping(monitor="tatblimp/acc_norm", mode="max")
+    other = EarlyStopping(monitor="val_loss", mode="min")
+    trainer = L.Trainer(callbacks=[ours, other], logger=False)
+    checks = UnscoredChecks()
+    is_ours = lambda name: name.startswith("tatblimp/")  # noqa: E731
+    expose(trainer, {"tatblimp/acc_norm": 0.5}, is_ours, 0, checks)
+    assert ours.check_finite is True
+    expose(trainer, {"tatblimp/failures": 1.0}, is_ours, 1, checks)  # a failed evaluation
+    assert trainer.callback_metrics["tatblimp/acc_norm"].isnan() and ours.check_finite is False and other.check_finite
+    expose(trainer, {"tatblimp/acc_norm": 0.6, "tatblimp/failures": 1.0}, is_ours, 2, checks)
+    assert ours.check_finite is True
+    expose(trainer, {"tatblimp/acc_norm": float("nan")}, is_ours, 3, checks)  # a NaN scoring gave: not set aside
+    assert ours.check_finite is True
+    expose(trainer, {}, is_ours, 4, checks)
+    assert ours.check_finite is False
+    checks.put_back()  # training ended, or stopped on an error
+    assert ours.check_finite is True
+    # A check the user turned off stays off.
+    off = EarlyStopping(monitor="tatblimp/acc_norm", mode="max", check_finite=False)
+    trainer = L.Trainer(callbacks=[off], logger=False)
+    expose(trainer, {"tatblimp/acc_norm": 0.5}, is_ours, 0, checks)
+    expose(trainer, {}, is_ours, 1, checks)
+    checks.put_back()
+    assert off.check_finite is False

@@ -3,8 +3,8 @@ and with ``keep=False`` each one's deleted once it is scored.
 
 A revision's file list (one API call) gives what is fetched: ``config.json``, the weights (safetensors when the
 revision has them, else the ``.bin`` files; never both) and the tokenizer files, the Python files only with
-``trust_remote_code``. They go to the Hugging Face cache by name (its ``refs/<name>`` then lets a later sweep with
-``HF_HUB_OFFLINE=1`` find them); with ``keep=False`` to a folder of the revision's own beside the results file,
+``trust_remote_code``. They go to the Hugging Face cache by name, and every other name of the commit gets its ref too
+(the cache's ``refs/<name>`` then lets a later sweep with ``HF_HUB_OFFLINE=1`` find each name it scored); with ``keep=False`` to a folder of the revision's own beside the results file,
 deleted once scored, so that no file the cache shares between revisions is removed under another download. Without
 network (offline mode, or a Hub that does not answer) the files are read from the cache only, and with
 ``keep=False`` the revision is deleted from the cache once scored.
@@ -61,8 +61,9 @@ class RevisionFiles:
         self.trust_remote_code = trust_remote_code
         self.from_cache = hub_offline() or hub_unreachable() is not None
 
-    def fetch(self, name: str, commit: str) -> Path:
-        """The folder holding revision ``name``'s files, at ``commit``.
+    def fetch(self, name: str, commit: str, other_names: tuple[str, ...] = ()) -> Path:
+        """The folder holding revision ``name``'s files, at ``commit``; ``other_names``: the commit's other names
+        (``main`` beside ``step143000``), whose refs the cache gets too when the files are kept.
 
         The files are fetched one after the other on the calling thread (``hf_hub_download``; no pool of threads of
         its own, which would hold up Ctrl-C until a download ends).
@@ -72,7 +73,8 @@ class RevisionFiles:
         from huggingface_hub import HfApi, hf_hub_download
 
         folder, quiet = None, {"tqdm_class": _silent_bar()}  # the sweep's own bar says how far it is
-        for filename in needed_files(HfApi().list_repo_files(self.repo_id, revision=commit), self.trust_remote_code):
+        files = needed_files(HfApi().list_repo_files(self.repo_id, revision=commit), self.trust_remote_code)
+        for filename in files:
             if not self.keep:
                 path = hf_hub_download(self.repo_id, filename, revision=commit, local_dir=self.downloads / commit, **quiet)
             else:  # by name, so that the cache's refs/<name> finds it again offline
@@ -80,6 +82,10 @@ class RevisionFiles:
             folder = Path(path).parent
         if self.keep and folder.name != commit:
             raise RevisionFilesError(f"now at commit {folder.name[:12]}, listed at {commit[:12]}: re-uploaded during the sweep")
+        for other in other_names if self.keep else ():
+            # One file again by each other name: the Hub says the name's commit (one HEAD request), the file is in the
+            # cache already, and refs/<other> is written, so that a sweep offline finds every name it scored.
+            hf_hub_download(self.repo_id, files[0], revision=other, **quiet)
         return folder
 
     def _cached(self, name: str, commit: str) -> Path:

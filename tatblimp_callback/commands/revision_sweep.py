@@ -4,8 +4,8 @@ The revisions are listed, chosen, grouped by commit and ordered by ``revisions.p
 to the sweep as a run folder hands its checkpoints (``sweep._RunFolder``): each commit is fetched
 (``revision_downloads.py``: the files a model needs, the next one while this one is scored), scored by the same
 ``CheckpointScorer`` and written as one line of the results file, ``<org>--<name>.tatblimp.jsonl`` by default, with
-the revision's name, every name of its commit, the commit, the position its name gives and, for a re-upload, the
-commit it replaces. A revision that cannot be fetched or loaded is written to the failures file with why, and the
+the revision's name, every name of its commit, the commit, the position its name gives and, for a name that moved
+here (a branch moved on, or a re-upload), the commit it left (``replaces``). A revision that cannot be fetched or loaded is written to the failures file with why, and the
 sweep goes on; a rerun tries it again. Under torchrun each process fetches only the revisions it scores.
 """
 
@@ -76,15 +76,20 @@ class RevisionSeries:
 
     def poll(self, done: set[str], settled: bool, report: Any) -> tuple[list[Revision], list[str], bool]:
         """The revisions to score, in order (process 0 lists them once); what is skipped goes into ``report``."""
-        chosen = select_revisions(list_revisions(self.repo_id), self.options.revisions, self.repo_id)
-        plan = plan_revisions(chosen, read_records(self.results_path), self.options.x)
+        refs = list_revisions(self.repo_id)
+        chosen = select_revisions(refs, self.options.revisions, self.repo_id)
+        plan = plan_revisions(chosen, read_records(self.results_path), self.options.x, refs)
         todo = plan.todo  # a name in ``done`` may be a re-upload: the plan compares commits
         self.axis = plan.axis
         report.skipped = sorted(set(plan.skipped) - {*report.scored, *report.failed})
         report.duplicates.update(plan.duplicates)
-        report.replaced.update({name: old for revision in todo for name, old in revision.replaces.items()})
+        report.replaced.update({name: old for revision in todo for name, old in revision.reuploads.items()})
         for name, scored_as in plan.duplicates.items():
             logger.warning("tatblimp: %s is the same commit as %s: scored once, both named in its line", name, scored_as)
+        for name, staying in plan.moved.items():
+            logger.warning(
+                "tatblimp: %s moved on from the commit of %s, whose line stays; its new commit is scored", name, staying
+            )
         for name, old in report.replaced.items():
             logger.warning("tatblimp: %s points at another commit than when it was scored (%s): scored again", name, old[:12])
         return todo, [], False
@@ -98,7 +103,9 @@ class RevisionSeries:
         self._fetch(mine[0])
 
     def _fetch(self, revision: Revision) -> None:
-        self._fetches[revision.commit] = self._prefetcher.submit(lambda: self.files.fetch(revision.name, revision.commit))
+        self._fetches[revision.commit] = self._prefetcher.submit(
+            lambda: self.files.fetch(revision.name, revision.commit, revision.names[1:])
+        )
 
     def score(self, revision: Revision) -> tuple[str, Any]:
         """("scored", record) or ("failed", why) as ``score_or_failure``; the record says which revision it is."""

@@ -6,7 +6,10 @@ shas (``huggingface_hub.list_repo_refs``; without network, the ``refs/`` files o
 ``select_revisions`` keeps those a pattern names (a comma-separated list of names or globs, ``'step*'``),
 ``position`` reads each name's place on the curve (step, tokens, words), and ``plan_revisions`` groups them by
 commit (two names on one commit are scored once), orders them on the chosen axis and compares them with a results
-file's records: a commit scored before is skipped, a name whose commit changed since (a re-upload) is scored again.
+file's records. A revision is a (name, commit) pair whose name can move; a record belongs to a commit: a commit
+scored before is skipped, a branch that moved on (``main``) leaves the record of its old commit while another name
+(``step1``) still points there, and a name re-uploaded (no name left on its old commit) is scored again, its old
+record leaving the curve.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reading.hub import hub_offline, hub_unreachable
+from ..results.runs import without_replaced
 from .checkpoints import SweepError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +68,10 @@ class Revision:
     position: dict[str, int]
     names: tuple[str, ...]
     axis: str = "step"  # what ``step`` counts: step, tokens or words
-    replaces: dict[str, str] = field(default_factory=dict)  # name -> the commit it pointed at when scored before
+    # name -> the commit a record of it was scored at, that the name no longer points at (a name of this commit, or
+    # another name of that record)
+    replaces: dict[str, str] = field(default_factory=dict)
+    reuploads: dict[str, str] = field(default_factory=dict)  # of its names, those re-uploaded: name -> the old commit
     path: Path | None = None
 
 
@@ -164,20 +171,29 @@ class RevisionPlan:
     todo: list[Revision]
     skipped: list[str] = field(default_factory=list)  # names whose commit is in the results file already
     duplicates: dict[str, str] = field(default_factory=dict)  # name -> the name its commit is scored under
+    moved: dict[str, str] = field(default_factory=dict)  # name -> the name still on the commit it was scored at
 
 
-def plan_revisions(chosen: dict[str, str], records: list[dict[str, Any]], asked_axis: str | None) -> RevisionPlan:
+def plan_revisions(
+    chosen: dict[str, str], records: list[dict[str, Any]], asked_axis: str | None, refs: dict[str, str] | None = None
+) -> RevisionPlan:
     """Group ``chosen`` (``{name: sha}``) by commit, place them on one axis, and leave out what ``records`` (the
-    results file's lines) already hold.
+    results file's lines, in the order written) already hold.
 
     A commit is scored once, shown by its first name on the axis; a name without a position is scored only as a
-    second name of a commit that has one (``main`` beside ``step143000``). A commit scored before is skipped; a name
-    that pointed at another commit when it was scored (a re-upload) is scored again, and its record says what it
-    replaces.
+    second name of a commit that has one (``main`` beside ``step143000``). A record belongs to a commit: a commit on
+    the curve already (``results.runs.without_replaced``) is skipped. A name scored before at another commit is
+    either a branch that moved on (another name of that record, ``step1``, still points at the old commit: its line
+    stays) or a re-upload (no name of it does: its line leaves the curve, and the commit's new files are scored). The
+    new record's ``replaces`` names, with the old commit, each name of the old record that no longer points at it.
+
+    ``refs``: every name of the repository with its commit (default: ``chosen``); a name of a record that is not
+    among them no longer points at its commit.
 
     Raises:
         SweepError: no axis for the names, or two commits at one position.
     """
+    refs = chosen if refs is None else refs
     by_commit: dict[str, list[str]] = {}
     for name, commit in chosen.items():
         by_commit.setdefault(commit, []).append(name)
@@ -187,8 +203,9 @@ def plan_revisions(chosen: dict[str, str], records: list[dict[str, Any]], asked_
     axis = choose_axis(
         {names[0]: {k: v for n in names for k, v in positions[n].items()} for names in placed.values()}, asked_axis
     )
-    scored = {record.get("commit"): record for record in records if record.get("commit")}
-    commit_of_name = {name: record.get("commit") for record in records for name in record.get("revisions", ())}
+    on_curve = [record for record in without_replaced(records) if record.get("commit")]
+    scored = {record["commit"]: record for record in on_curve}
+    commit_of_name = {name: record["commit"] for record in on_curve for name in record.get("revisions", ())}
     plan = RevisionPlan(axis, [])
     at: dict[int, str] = {}
     for commit, names in placed.items():
@@ -209,7 +226,18 @@ def plan_revisions(chosen: dict[str, str], records: list[dict[str, Any]], asked_
             continue
         for name in everyone[1:]:
             plan.duplicates[name] = first
-        replaces = {n: commit_of_name[n] for n in everyone if commit_of_name.get(n) not in (None, commit)}
-        plan.todo.append(Revision(first, commit, step, positions[first], everyone, axis, replaces))
+        replaces, reuploads = {}, {}
+        for name in everyone:
+            old = commit_of_name.get(name)
+            if old in (None, commit):
+                continue
+            old_names = scored[old].get("revisions", ())
+            replaces.update({n: old for n in old_names if refs.get(n) != old})
+            staying = [n for n in old_names if refs.get(n) == old]
+            if staying:
+                plan.moved[name] = staying[0]
+            else:
+                reuploads[name] = old
+        plan.todo.append(Revision(first, commit, step, positions[first], everyone, axis, replaces, reuploads))
     plan.todo.sort(key=lambda revision: revision.step)
     return plan

@@ -140,12 +140,28 @@ def _read_lines(path: Path, text: str) -> list[dict[str, Any]]:
 
 
 def without_replaced(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``records`` without those a later record replaced: a Hub revision re-uploaded and scored again names, in its
-    ``replaces``, each name's earlier commit, whose record then leaves the curve."""
-    replaced = {(name, commit) for record in records for name, commit in record.get("replaces", {}).items()}
-    if not replaced:
-        return records
-    return [r for r in records if not any((name, r.get("commit")) in replaced for name in r.get("revisions", ()))]
+    """``records`` (in the order they were written) as the curve holds them: a record belongs to a commit, and its
+    names (``revisions``) are those that still point at that commit.
+
+    A Hub revision's record lists, in ``replaces``, each name that pointed at another commit when it was last scored
+    (``{name: old commit}``): that name leaves the earlier records of the old commit. A record keeps its place while
+    any of its names is left (``main`` moved on from ``step1``'s commit: ``step1``'s line stays, without ``main``),
+    and leaves the curve once none is (a re-upload: ``step2`` now names another commit, and nothing names the old
+    one). Records without names (a run folder's sweep, the callback's history) are kept as they are; the records
+    returned with fewer names are copies.
+    """
+    kept: list[dict[str, Any] | None] = list(records)
+    written: dict[str, list[int]] = {}  # commit -> the indices of its records written so far
+    for index, record in enumerate(records):
+        for name, commit in record.get("replaces", {}).items():
+            for earlier in written.get(commit, ()):
+                names = kept[earlier].get("revisions", ()) if kept[earlier] is not None else ()
+                if name in names:
+                    left = [n for n in names if n != name]
+                    kept[earlier] = {**kept[earlier], "revisions": left} if left else None
+        if record.get("commit"):
+            written.setdefault(record["commit"], []).append(index)
+    return [record for record in kept if record is not None]
 
 
 def _check_record(record: Any, where: str) -> None:

@@ -30,7 +30,7 @@ from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options
 from .in_loop import HISTORY_FILE, InLoopMonitor, MonitoredResults, refuse_shared_history_file
-from .lightning_monitoring import expose, warn_about_monitors
+from .lightning_monitoring import UnscoredChecks, expose, warn_about_monitors
 from .suite_schedule import check_suite_options
 
 logger = logging.getLogger(__name__)
@@ -195,8 +195,10 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         self._monitor.alerts.plan = self.alert_evaluations or callback_options.planned_evaluations(
             _planned_steps(trainer), self.eval_every_n_steps, self.eval_on_start, self.eval_on_end
         )
+        self._unscored_checks = UnscoredChecks()  # EarlyStopping counts an evaluation that failed as no improvement
         for entry in entries:  # a resumed run's monitored keys hold its last values from the start
-            expose(trainer, {k: v for k, v in entry.items() if k != "step"}, self._monitor.is_our_metric)
+            metrics = {k: v for k, v in entry.items() if k != "step"}
+            expose(trainer, metrics, self._monitor.is_our_metric, entry["step"], self._unscored_checks)
         warn_about_monitors(trainer, self)
         self._checked_step = trainer.global_step  # the start is scored below (eval_on_start) or not at all
         refuse_shared_history_file(self._monitor, trainer.callbacks, trainer.default_root_dir)  # on every rank alike
@@ -220,7 +222,17 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         # Before the loggers are finalized; the monitor scores nothing twice for the same weights and step.
         if self.eval_on_end and trainer.global_step != self._checked_step:
             self._score(trainer, pl_module)
+        self._put_back_checks()
         self._monitor.finish(trainer.is_global_zero)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._put_back_checks()
+
+    def _put_back_checks(self) -> None:
+        """Each ``EarlyStopping``'s ``check_finite`` as the user set it, once training ends or stops on an error."""
+        checks = getattr(self, "_unscored_checks", None)
+        if checks is not None:
+            checks.put_back()
 
     # -- scoring and logging --------------------------------------------------------------------
 
@@ -261,9 +273,8 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
 
         with _root_unsharded(pl_module, model):
             metrics = self._monitor.score(model, trainer.global_step, publish, main=trainer.is_global_zero)
-        expose(
-            trainer, metrics, self._monitor.is_our_metric
-        )  # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
+        # every rank: each one's ModelCheckpoint / EarlyStopping reads its own
+        expose(trainer, metrics, self._monitor.is_our_metric, trainer.global_step, self._unscored_checks)
         return metrics
 
     def _log(self, trainer, step: int, metrics: dict[str, float], results: Results | None) -> None:

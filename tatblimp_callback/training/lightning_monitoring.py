@@ -8,6 +8,9 @@ validation run (after the batch's hooks). A key missing at a check makes them ra
 ``strict``; ``ModelCheckpoint`` once a validation loop has run) or skip the save silently, so between
 evaluations the keys keep the last evaluation's values. At an evaluation, a key of ours it did not score (a
 suite that ``suite_every`` skips, a failed evaluation) is NaN, as in the Trainer callback: never a stale score.
+``ModelCheckpoint`` ranks NaN the worst, and ``EarlyStopping`` counts it as no improvement, as the Trainer's
+``EarlyStoppingCallback`` does: its ``check_finite`` (on by default, meant for a diverging loss) would end the run
+at the first failed evaluation, so ``UnscoredChecks`` sets it aside while the key it monitors holds that NaN.
 """
 
 from __future__ import annotations
@@ -24,14 +27,63 @@ from .suite_schedule import suite_period, unscored_placeholders
 logger = logging.getLogger(__name__)
 
 
-def expose(trainer, metrics: dict[str, float], is_ours: Callable[[str], bool]) -> None:
+def expose(
+    trainer, metrics: dict[str, float], is_ours: Callable[[str], bool], step: int, checks: UnscoredChecks | None = None
+) -> None:
     """Put one evaluation's ``metrics`` in ``trainer.callback_metrics`` (float64 tensors, as the monitors compare
     tensors), and NaN in each key of ours (``is_ours``) that this evaluation did not score (a suite that
     ``suite_every`` skips, a failed evaluation): ``suite_schedule.unscored_placeholders``, the Trainer callback's
-    rule too. Between evaluations the keys keep the last one's values."""
+    rule too. Between evaluations the keys keep the last one's values. ``checks``: the ``EarlyStopping`` finite
+    checks to set aside on those NaN (and put back on a score)."""
     ours = [name for name in trainer.callback_metrics if is_ours(name)]
-    fresh = {**metrics, **unscored_placeholders(ours, metrics)}
+    unscored = unscored_placeholders(ours, metrics)
+    fresh = {**metrics, **unscored}
     trainer.callback_metrics.update({name: torch.tensor(float(value), dtype=torch.float64) for name, value in fresh.items()})
+    if checks is not None:
+        checks.follow(trainer, step, set(unscored), set(metrics))
+
+
+class UnscoredChecks:
+    """``EarlyStopping(check_finite=True)`` on a key of ours, made to count an evaluation that did not score the key
+    as no improvement (the Trainer's ``EarlyStoppingCallback`` rule), not as a diverging run.
+
+    Its ``check_finite`` is set to False while the key holds the NaN of an unscored evaluation (a failure, a suite
+    that ``suite_every`` skips), and put back as the user set it once the key is scored again, and when training
+    ends (``put_back``). A NaN that scoring itself gave is not set aside. One instance a callback; every rank sets
+    aside its own ``EarlyStopping``'s check.
+    """
+
+    def __init__(self):
+        self._held: list[Any] = []  # the EarlyStopping callbacks whose check_finite is set aside now
+
+    def follow(self, trainer, step: int, unscored: set[str], scored: set[str]) -> None:
+        """After one evaluation: set aside the check of each ``EarlyStopping`` monitoring a key in ``unscored``; put
+        back that of each monitoring a key in ``scored``."""
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        for each in trainer.callbacks:
+            if not isinstance(each, EarlyStopping):
+                continue
+            held = any(each is other for other in self._held)
+            if each.monitor in unscored and each.check_finite and not held:
+                each.check_finite = False
+                self._held.append(each)
+                logger.info(
+                    "tatblimp: step %d: %s was not scored (NaN): EarlyStopping(monitor=%r) counts it as no improvement, "
+                    "its check_finite set aside until the key is scored again",
+                    step,
+                    each.monitor,
+                    each.monitor,
+                )
+            elif each.monitor in scored and held:
+                each.check_finite = True
+                self._held = [other for other in self._held if other is not each]
+
+    def put_back(self) -> None:
+        """Every check set aside, as the user set it (training ended, or stopped on an error)."""
+        for each in self._held:
+            each.check_finite = True
+        self._held = []
 
 
 def warn_about_monitors(trainer, callback: Any) -> None:
@@ -66,30 +118,23 @@ def warn_about_monitors(trainer, callback: Any) -> None:
                 every,
             )
         elif (period := suite_period(callback.suites, callback.suite_every, monitor)) > 1:
-            _warn_about_suite_schedule(name, monitor, each, steps, every, period)
+            _warn_about_suite_schedule(name, monitor, steps, every, period)
 
 
-def _warn_about_suite_schedule(name: str, monitor: str, each, steps: int | None, every: int, period: int) -> None:
-    """The warnings for a monitored suite key that ``suite_every`` scores at every ``period``-th evaluation only."""
+def _warn_about_suite_schedule(name: str, monitor: str, steps: int | None, every: int, period: int) -> None:
+    """The warning for a monitored suite key that ``suite_every`` scores at every ``period``-th evaluation only."""
     suite = monitor.removeprefix("eval_").split("/", 1)[0]
     if not steps or steps % (every * period):
         logger.warning(
             "tatblimp: %s: %s is scored at every %d-th evaluation only (suite_every), every %d steps; at the "
-            "evaluations between, %s is NaN (ModelCheckpoint ranks it the worst); make the checks every %d steps",
+            "evaluations between, %s is NaN (ModelCheckpoint ranks it the worst, EarlyStopping counts it as no "
+            "improvement); make the checks every %d steps",
             name,
             suite,
             period,
             every * period,
             monitor,
             every * period,
-        )
-    if getattr(each, "check_finite", False):
-        logger.warning(
-            "tatblimp: %s stops training at the first NaN (check_finite=True), and %s is NaN at the evaluations that "
-            "suite_every skips; pass check_finite=False, or suite_every=1 for %s",
-            name,
-            monitor,
-            suite,
         )
 
 
