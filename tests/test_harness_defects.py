@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DATA, tiny_llama
+from conftest import CORPUS, DATA, tiny_llama
 
 pytest.importorskip("lm_eval")
 
@@ -171,3 +171,57 @@ def test_lm_eval_tasks_leave_the_training_tokenizer_unchanged(bpe_tokenizer, sma
     assert (len(tokenizer), tokenizer.pad_token, tokenizer.pad_token_id, tokenizer.eos_token) == before
     assert before[1] is None and before[0] == len(bpe_tokenizer)
     assert monitor.harness._lm.tokenizer is not tokenizer and monitor.harness._lm.tokenizer.pad_token is not None
+
+
+@pytest.mark.slow
+def test_trainer_run_with_fewshot_and_generate_tasks_logs_the_harness_numbers(bpe_tokenizer, small_data, local_tasks, tmp_path):
+    """A real Trainer run (dropout on while training) with a few-shot task and a generation task: each evaluation
+    logs both, and at the last step the few-shot task's accuracy is the one ``lm_eval --model hf`` gives for the
+    checkpoint saved there (its few-shot prompts). (The generations
+    themselves are compared in ``test_generate_until_generates_in_eval_mode_and_the_modes_come_back``.)"""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import Trainer, TrainingArguments
+
+    folder = write_task(tmp_path / "tasks", local_tasks, "local_mc_fewshot", FEWSHOT)
+    write_task(folder, local_tasks, "local_generate", GENERATE)
+    tokenizer = copy.deepcopy(bpe_tokenizer)
+    model = tiny_llama(len(tokenizer), seed=5, attention_dropout=0.5)
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()[:64]
+    train = [{"input_ids": ids, "labels": ids} for ids in (tokenizer(line)["input_ids"][:32] for line in lines)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=4,
+        per_device_train_batch_size=1,
+        learning_rate=5e-3,
+        save_strategy="steps",
+        save_steps=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+    tasks = ["local_mc_fewshot", "local_generate"]
+    TatBLiMPCallback.attach(
+        trainer,
+        data=small_data,
+        allow_modified=True,
+        eval_steps=2,
+        lm_eval_tasks=tasks,
+        lm_eval_include_path=str(folder),
+        lm_eval_limit=LIMIT,
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "lm_eval/local_mc_fewshot/acc" in entry]
+    assert [entry["step"] for entry in logged] == [0, 2, 4]
+    assert all("lm_eval/local_generate/exact_match" in entry for entry in logged)
+    out = simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={tmp_path / 'run' / 'checkpoint-4'},dtype=float32",
+        tasks=tasks,
+        limit=LIMIT,
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+        device="cpu",
+    )
+    assert logged[-1]["lm_eval/local_mc_fewshot/acc"] == pytest.approx(out["results"]["local_mc_fewshot"]["acc,none"], abs=1e-12)
