@@ -190,13 +190,7 @@ class Evaluator:
         """With ``include_tokens``: each pair's critical-region surprisal (``engine/word_surprisal.py``), a pass of its own."""
         if self.tokenizer is None or not isinstance(model, torch.nn.Module) or distributed.world()[1] > 1:
             return
-        lm = unwrap_model(model)
-        training = lm.training
-        lm.eval()  # and back to the mode it was in
-        try:
-            add_region_surprisal(records, lm, cache, self.tokenizer)
-        finally:
-            lm.train(training)
+        add_region_surprisal(records, unwrap_model(model), cache, self.tokenizer)  # in scoring_mode, as every pass
 
     def __call__(self, model: torch.nn.Module, suites: list[str] | None = None, *, weights: str | None = None) -> Results:
         """Score every pair with ``model`` and return the results.

@@ -23,6 +23,7 @@ import torch
 from ..reading.edit import find_edit
 from ..tokenized.edit_tokens import token_spans
 from ..tokenized.word_marks import WordMarks, word_marking
+from .model_state import scoring_mode
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ def _head(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-@torch.no_grad()
 def region_surprisal_bits(
     lm: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
@@ -55,7 +55,14 @@ def region_surprisal_bits(
         marks: the tokenizer's word marks.
         pad_id: fills the rows of shorter sequences (masked out).
         batch_sentences: sequences per forward call.
+
+    ``lm`` runs in ``model_state.scoring_mode``: eval mode without gradients, each module back in its own mode after.
     """
+    with scoring_mode(lm):
+        return _region_surprisal_bits(lm, sequences, regions, marks, pad_id, batch_sentences)
+
+
+def _region_surprisal_bits(lm, sequences, regions, marks, pad_id, batch_sentences) -> list[float | None]:
     device = lm.get_output_embeddings().weight.device
     boundary = torch.tensor(marks.boundary_ids, dtype=torch.long, device=device) if marks.corrected else None
     starts = set(marks.boundary_ids)

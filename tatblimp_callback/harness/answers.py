@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from lm_eval.api.model import LM
 
+from ..engine.model_state import scoring_mode
+
 
 class TableLM(LM):
     """Answers ``loglikelihood`` and ``loglikelihood_rolling`` from ``answers``; ``generate_until`` by ``generator``.
 
     Args:
         answers: ``{(request type, request args): answer}``: ``(log-prob, is_greedy)`` or a rolling log-likelihood.
-        generator: the harness model that generates (``model.TatBLiMPLM``: ``HFLM``'s ``generate_until``).
+        generator: the harness model that generates (``model.TatBLiMPLM``: ``HFLM``'s ``generate_until``), in
+            ``model_state.scoring_mode`` as every pass that runs the model.
     """
 
     def __init__(self, answers: dict, generator=None):
@@ -38,4 +41,5 @@ class TableLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False):
         if self.generator is None:
             raise ValueError("a harness generate_until request, and no model to generate with")
-        return self.generator.generate_until(requests, disable_tqdm=True)
+        with scoring_mode(self.generator.model):  # dropout off; the training model's own modes back after
+            return self.generator.generate_until(requests, disable_tqdm=True)

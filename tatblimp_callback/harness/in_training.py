@@ -16,6 +16,7 @@ with a model that answers every request from that table, so that every number is
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -79,8 +80,11 @@ class HarnessTasks:
             quiet = logging.getLogger("lm_eval.models.huggingface")
             level, quiet.level = quiet.level, logging.ERROR  # its warnings about a model passed as an object
             try:
-                with scoring_mode(model):  # HFLM puts the model in eval mode: back as it was
-                    self._lm = TatBLiMPLM(pretrained=model, tokenizer=self.tokenizer, memory_budget=self.memory_budget)
+                # HFLM puts the model in eval mode (back as it was on leaving) and sets a pad token on the tokenizer,
+                # or adds one: on a copy, so that the training tokenizer stays as the user made it.
+                tokenizer = copy.deepcopy(self.tokenizer)
+                with scoring_mode(model):
+                    self._lm = TatBLiMPLM(pretrained=model, tokenizer=tokenizer, memory_budget=self.memory_budget)
             finally:
                 quiet.setLevel(level)
         return self._lm
@@ -94,6 +98,7 @@ class HarnessTasks:
 
         lm = self._model_for(model)
         self.task_dict = self.manager.load(self.tasks)
+        seed_fewshot(self.task_dict)
         for task in self.task_dict["tasks"].values():  # as the harness's evaluate builds them, on one process
             task.build_all_requests(limit=get_sample_size(task, self.limit), rank=0, world_size=1)
             for instance in task.instances:
@@ -125,6 +130,7 @@ class HarnessTasks:
             else:  # a string's rolling windows, added in window order
                 answers[kind, args] = sum(span_scores[k][0] for k in spans)
         lm = TableLM(answers, generator=self._lm)
+        seed_fewshot(self.task_dict)  # its evaluate builds the requests again: with the few-shot examples of prepare
         out = evaluate(lm, self.task_dict, limit=self.limit, bootstrap_iters=0, log_samples=False, verbosity="ERROR")
         return flat_metrics(out["results"])
 
@@ -133,6 +139,16 @@ class HarnessTasks:
         self.prepare(model)
         lm = self._model_for(model)
         return self.metrics(lm.request_scorer.score(self._requests, lm.prefix_token_id, lm.max_length))
+
+
+def seed_fewshot(task_dict: dict[str, Any]) -> None:
+    """Seed each task's few-shot sampler as ``simple_evaluate`` does by default (``lm_eval --model hf`` draws the same
+    examples), anew before each build of the requests: a build draws from the sampler, so that a second one unseeded
+    would draw other examples, and requests not built at ``prepare``."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+
+    for task in task_dict["tasks"].values():
+        task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
 
 
 def flat_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:
