@@ -6,7 +6,7 @@ log-probs, and it is greedy when every continuation token is its position's argm
 sentences, so that one layout and one sweep of forward calls serve both, prefix-tree rows sharing positions across
 them. Within a batch (``SpanReader.batch_logprobs``) the model's body runs once; the sentences' tokens go through the
 scorer's own head, the spans' continuation tokens through ``greedy_head`` (log-prob and argmax from the same
-tiles), and a span's context tokens are never given to the head: their cells stay 0, so a span's log-prob is its
+tiles; the harness model, ``harness/fused.py``, scores its requests as spans of a cache of their own), and a span's context tokens are never given to the head: their cells stay 0, so a span's log-prob is its
 cells' sum as for a sentence. Each continuation token that is not the argmax puts 1 in its cell of ``misses``,
 which are added over processes like the log-probs (each cell written by one process).
 """
@@ -20,9 +20,8 @@ import torch
 
 from ..tokenized.cache import SentenceCache
 from .cells import Cells
-from .greedy_head import head_logprobs_and_greedy
+from .greedy_head import greedy_logprobs
 from .packing import Batch
-from .tiled_head import head_tile, plain_head_weight
 
 
 @dataclass
@@ -91,11 +90,17 @@ class SpanReader:
         self.first_slot[first : first + len(scored)] = widths - torch.tensor(list(scored), device=cells.device)
         self.cells = cells
         self.misses = cells.empty()  # 1 in each cell whose token is not its position's argmax (this pass)
-        self.tokens_read = 0  # continuation tokens this process gave the head in the latest pass
+        self._tokens_read = torch.zeros((), dtype=torch.long, device=cells.device)  # counted on the device: no sync
+
+    @property
+    def tokens_read(self) -> int:
+        """Continuation tokens this process gave the head in the latest pass."""
+        return int(self._tokens_read)
 
     def begin(self) -> None:
         """A new pass: no misses, nothing read."""
-        self.misses, self.tokens_read = self.cells.empty(), 0
+        self.misses = self.cells.empty()
+        self._tokens_read = torch.zeros((), dtype=torch.long, device=self.cells.device)
 
     def greedy(self) -> list[bool]:
         """Each span's ``is_greedy`` from the latest pass (the misses added over processes)."""
@@ -111,16 +116,16 @@ class SpanReader:
         span = self.is_span[sequences]
         wanted = slots >= self.first_slot[sequences]
         logprobs = torch.zeros(slots.shape, dtype=torch.float32, device=self.cells.device)
-        plain = ~span
-        if plain.any():
+        plain, mine = ~span, span & wanted
+        any_plain, any_mine = torch.stack([plain.any(), mine.any()]).tolist()  # the batch's one sync of its own
+        if any_plain:
             logprobs[plain] = read(*_narrowed(output, batch, plain)).to(logprobs.device)
-        mine = span & wanted
-        if mine.any():
+        if any_mine:
             hidden, part = _narrowed(output, batch, mine)
-            lp, top = _greedy_logprobs(scorer, hidden, part, head)
+            lp, top = greedy_logprobs(scorer.lm, hidden, part.score_contexts, part.score_targets, head, scorer.memory_budget)
             logprobs[mine] = lp.to(logprobs.device)
             self.misses[self.cells.starts[part.score_sentences] + part.score_slots] = (~top).to(self.misses)
-            self.tokens_read += int(mine.sum())
+            self._tokens_read += mine.sum()
         return logprobs
 
 
@@ -136,18 +141,3 @@ def _narrowed(output: torch.Tensor, batch: Batch, keep: torch.Tensor) -> tuple[t
         score_slots=batch.score_slots[keep],
     )
     return output[read.to(output.device)], part
-
-
-def _greedy_logprobs(scorer, hidden: torch.Tensor, part: Batch, head: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and whether the target is its context's argmax, through the head's tiles (or the model's logits)."""
-    lm = scorer.lm
-    if head == "tiled":
-        weight = plain_head_weight(lm)
-        bias, cap = lm.get_output_embeddings().bias, getattr(lm.config, "final_logit_softcapping", None)
-        tile = head_tile(weight.device, weight.shape[0], weight.dtype, scorer.memory_budget)
-        hidden = hidden.to(weight.device)
-    else:  # the model's own logits, softcapped already
-        weight = bias = cap = None
-        tile = head_tile(hidden.device, hidden.shape[-1], hidden.dtype, scorer.memory_budget)
-    contexts, targets = part.score_contexts.to(hidden.device), part.score_targets.to(hidden.device)
-    return head_logprobs_and_greedy(hidden, weight, bias, cap, contexts, targets, tile)

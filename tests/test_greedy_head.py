@@ -1,0 +1,80 @@
+"""The one greedy reader of harness requests (``engine/greedy_head.py``, ``tiled_head.logprobs_and_greedy``):
+``is_greedy`` is ``torch.argmax``'s first index of the maximum, ties included, in every tiling; the hidden states go
+to the head's device; the harness model scores a model whose weights a device map keeps off its input device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from tatblimp_callback.engine.greedy_head import greedy_logprobs
+from tatblimp_callback.engine.tiled_head import logprobs_and_greedy
+
+
+def tied_head(vocab: int = 12, hidden: int = 4, seed: int = 0):
+    """Hidden states and a head whose columns 2, 5 and 9 are the same row, the largest logit of every context."""
+    generator = torch.Generator().manual_seed(seed)
+    states = torch.randn(6, hidden, generator=generator).abs() + 0.5
+    weight = torch.randn(vocab, hidden, generator=generator) * 0.1
+    weight[[2, 5, 9]] = 3.0
+    return states, weight
+
+
+@pytest.mark.parametrize("tile", [(64, 64), (64, 4), (2, 4), (2, 3), (64, 1)])
+@pytest.mark.parametrize("as_logits", [False, True])
+def test_greedy_is_the_first_index_of_the_maximum_on_tied_logits(tile, as_logits):
+    states, weight = tied_head()
+    logits = torch.nn.functional.linear(states, weight)
+    assert (logits[:, 2] == logits[:, 5]).all() and (logits.argmax(-1) == 2).all()
+    contexts = torch.arange(6).repeat_interleave(4)
+    targets = torch.tensor([2, 5, 9, 0] * 6)
+    if as_logits:
+        logprobs, greedy = logprobs_and_greedy(logits, None, None, None, contexts, targets, tile)
+    else:
+        logprobs, greedy = logprobs_and_greedy(states, weight, None, None, contexts, targets, tile)
+    assert greedy.tolist() == [True, False, False, False] * 6  # the tied later columns are not the argmax
+    assert greedy.tolist() == (logits.argmax(-1)[contexts] == targets).tolist()
+    expected = logits.float().log_softmax(-1)[contexts, targets]
+    torch.testing.assert_close(logprobs, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_flags_equal_argmax_on_random_logits_with_many_ties():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 40, (40, 50), generator=generator).float()  # ties at the top of many rows
+    contexts = torch.arange(40).repeat_interleave(5)
+    targets = torch.randint(0, 50, (200,), generator=generator)
+    targets[::5] = logits.argmax(-1)  # the first maximum of each row: greedy
+    targets[1::5] = 49 - logits.flip(-1).argmax(-1)  # its last maximum: greedy only where the maximum is alone
+    for tile in [(64, 64), (7, 8), (3, 13)]:
+        _, greedy = logprobs_and_greedy(logits, None, None, None, contexts, targets, tile)
+        assert greedy.tolist() == (logits.argmax(-1)[contexts] == targets).tolist(), tile
+    assert 0 < int(greedy[1::5].sum()) < 40
+
+
+def test_the_greedy_reader_computes_on_the_heads_device():
+    """Under a device map the last layer's hidden states and the cache's indices are not on the head's device: the
+    reader moves them there (the head here on ``meta``, the states and indices on the CPU)."""
+    model = tiny_llama(40, seed=2)
+    model.lm_head.to("meta")
+    hidden = torch.randn(3, model.config.hidden_size)
+    contexts, targets = torch.tensor([0, 1, 2, 2]), torch.tensor([1, 2, 3, 4])
+    logprobs, greedy = greedy_logprobs(model, hidden, contexts, targets, "tiled", 1 << 20)
+    assert logprobs.device.type == "meta" and greedy.device.type == "meta"
+    assert logprobs.shape == (4,) and greedy.shape == (4,)
+
+
+def test_the_harness_model_scores_a_model_whose_device_map_leaves_its_first_weight_on_meta():
+    """accelerate's ``cpu_offload`` (as a ``device_map`` with offload) keeps every weight on the meta device until its
+    layer runs: the requests go on the device the model takes its input on, and score as without the offload."""
+    accelerate = pytest.importorskip("accelerate")
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    model = tiny_llama(50, seed=1)
+    requests = [([1, 5, 7], [9, 3]), ([1, 5, 7], [4]), ([2, 8], [11, 12, 13]), ([2, 8, 11], [12])]
+    plain = RequestScorer(model).score(requests, 0, 64)
+    accelerate.cpu_offload(model, execution_device="cpu")
+    assert next(model.parameters()).device.type == "meta"
+    offloaded = RequestScorer(model).score(requests, 0, 64)
+    assert [ll for ll, _ in offloaded] == pytest.approx([ll for ll, _ in plain], abs=1e-5)
+    assert [g for _, g in offloaded] == [g for _, g in plain]
