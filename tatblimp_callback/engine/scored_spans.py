@@ -13,9 +13,11 @@ which are added over processes like the log-probs (each cell written by one proc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..tokenized.cache import SentenceCache
@@ -53,8 +55,10 @@ def sequence_cache(sequences: Sequence[Sequence[int]], pad_id: int, device: torc
     """Token sequences as a ``SentenceCache`` on ``device`` (no pairs, no text): what the engine lays out and scores."""
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     empty = torch.zeros(0, dtype=torch.long)
+    # One pass over the tokens in C: a list comprehension of 800K tokens took 280 ms, this 70 (loaded 2-core VM, 2026-12-04).
+    token_ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
     return SentenceCache(
-        token_ids=torch.tensor([t for s in sequences for t in s], dtype=torch.long).to(device),
+        token_ids=torch.from_numpy(token_ids).to(device),
         offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device),
         byte_lengths=torch.zeros(len(sequences), dtype=torch.long, device=device),
         phenomenon_index=empty.to(device),
@@ -87,7 +91,12 @@ class SpanReader:
         # Each sequence's first scored slot: 0 for a sentence, the continuation's first for a span.
         self.first_slot = torch.zeros(sequences, dtype=torch.long, device=cells.device)
         widths = cells.widths[first : first + len(scored)]
-        self.first_slot[first : first + len(scored)] = widths - torch.tensor(list(scored), device=cells.device)
+        scored = torch.tensor(list(scored), dtype=torch.long, device=cells.device)
+        self.first_slot[first : first + len(scored)] = widths - scored
+        # Every span's continuation cells, and the span of each: what ``greedy`` reads (not every cell of the cache).
+        self._owner = torch.repeat_interleave(torch.arange(len(scored), device=cells.device), scored)
+        within = torch.arange(len(self._owner), device=cells.device) - (scored.cumsum(0) - scored)[self._owner]
+        self._continuation_cells = (cells.starts[first : first + len(scored)] + widths - scored)[self._owner] + within
         self.cells = cells
         self.misses = cells.empty()  # 1 in each cell whose token is not its position's argmax (this pass)
         self._tokens_read = torch.zeros((), dtype=torch.long, device=cells.device)  # counted on the device: no sync
@@ -104,7 +113,8 @@ class SpanReader:
 
     def greedy(self) -> list[bool]:
         """Each span's ``is_greedy`` from the latest pass (the misses added over processes)."""
-        misses = self.cells.reduce(self.misses)[self.first : self.first + self.count]
+        misses = torch.zeros(self.count, dtype=self.misses.dtype, device=self.misses.device)
+        misses.index_add_(0, self._owner, self.misses[self._continuation_cells])
         return (misses == 0).tolist()
 
     def batch_logprobs(self, scorer, batch: Batch, output: torch.Tensor, head: str, read: Callable) -> torch.Tensor:
