@@ -1,6 +1,7 @@
 """The one greedy reader of harness requests (``engine/greedy_head.py``, ``tiled_head.logprobs_and_greedy``):
 ``is_greedy`` is ``torch.argmax``'s first index of the maximum, ties included, in every tiling; the hidden states go
-to the head's device; the harness model scores a model whose weights a device map keeps off its input device."""
+to the head's device; the harness model, scored by the engine's ``Scorer`` (``harness/fused.py``), scores a model whose
+weights a device map keeps off its input device, retries out of memory and checks its method again."""
 
 from __future__ import annotations
 
@@ -78,3 +79,41 @@ def test_the_harness_model_scores_a_model_whose_device_map_leaves_its_first_weig
     offloaded = RequestScorer(model).score(requests, 0, 64)
     assert [ll for ll, _ in offloaded] == pytest.approx([ll for ll, _ in plain], abs=1e-5)
     assert [g for _, g in offloaded] == [g for _, g in plain]
+
+
+def test_the_harness_model_scores_through_the_scorers_retry_and_method_recheck(monkeypatch):
+    """``RequestScorer`` is the engine's ``Scorer`` on spans: an out-of-memory forward is retried at half the budget
+    with the same answers, the method is checked again once the weights have moved (it was chosen once for life),
+    and the same requests again reuse the scorer and its plan."""
+    import tatblimp_callback.engine.scoring as scoring
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    model = tiny_llama(50, seed=6)
+    requests = [([1, 5, 7, 2], [9, 3]), ([1, 5, 7, 2], [4]), ([2, 8], [11, 12, 13]), ([6], [7, 8])]
+    expected = RequestScorer(model, memory_budget=64 << 20).score(requests, 0, 64)
+
+    scorer = RequestScorer(model, memory_budget=64 << 20)
+    failures = iter([True])
+    original = scoring.model_output
+
+    def once_out_of_memory(*args, **kwargs):
+        if next(failures, False):
+            raise torch.OutOfMemoryError("emulated")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scoring, "model_output", once_out_of_memory)
+    assert scorer.score(requests, 0, 64) == expected
+    assert scorer._scorer.oom_retries == 1 and scorer._scorer.memory_budget == 32 << 20
+
+    first = scorer._scorer
+    assert scorer.score(requests, 0, 64) == expected and scorer._scorer is first  # the same requests: the same plan
+    checks = []
+    check = scorer._checker.check
+    reference = check.reference
+    monkeypatch.setattr(check, "reference", lambda sequences: checks.append(sequences) or reference(sequences))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    moved = scorer.score(requests[:3], 0, 64)
+    assert checks, "the method was not checked again after the weights moved"
+    assert moved != expected[:3]
