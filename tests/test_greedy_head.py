@@ -117,3 +117,58 @@ def test_the_harness_model_scores_through_the_scorers_retry_and_method_recheck(m
     moved = scorer.score(requests[:3], 0, 64)
     assert checks, "the method was not checked again after the weights moved"
     assert moved != expected[:3]
+
+
+def test_the_harness_model_reads_the_models_own_logits_as_the_heads_tiles():
+    """A head that is not a plain linear layer (a forward hook here) is read from the model's own logits: the same
+    log-probs and greedy flags as the tiled head's."""
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    model = tiny_llama(50, seed=7)
+    context = [1, 5, 7, 2]
+    with torch.no_grad():
+        greedy = model(torch.tensor([context])).logits[0, -1].argmax().item()
+    requests = [(context, [greedy]), (context, [(greedy + 1) % 50]), ([2, 8], [11, 12, 13]), ([6], [7, 8])]
+    tiled = RequestScorer(model).score(requests, 0, 64)
+    model.lm_head.register_forward_hook(lambda module, args, output: None)
+    scorer = RequestScorer(model)
+    own = scorer.score(requests, 0, 64)
+    assert scorer.method.head == "full_logits"
+    assert [ll for ll, _ in own] == pytest.approx([ll for ll, _ in tiled], abs=1e-5)
+    assert [g for _, g in own] == [g for _, g in tiled] and own[0][1] and not own[1][1]
+
+
+def test_a_softcapped_models_own_logits_are_not_capped_again():
+    """Gemma 2 caps its logits (``final_logit_softcapping``) in its own forward: read from those logits, the log-probs
+    are the plain forward's, not capped a second time."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=60,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        final_logit_softcapping=1.5,
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 1.0)
+    model.lm_head.register_forward_hook(lambda module, args, output: None)  # read from the model's own logits
+    requests = [([1, 5, 7, 2], [9, 3]), ([2, 8], [11, 12, 13])]
+    scorer = RequestScorer(model)
+    answers = scorer.score(requests, 0, 64)
+    assert scorer.method.head == "full_logits"
+    for (context, continuation), (logprob, _) in zip(requests, answers, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([context + continuation])).logits[0].float().log_softmax(-1)
+        expected = sum(logits[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
+        assert logprob == pytest.approx(expected, abs=1e-5)
