@@ -172,3 +172,45 @@ def test_a_softcapped_models_own_logits_are_not_capped_again():
             logits = model(torch.tensor([context + continuation])).logits[0].float().log_softmax(-1)
         expected = sum(logits[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
         assert logprob == pytest.approx(expected, abs=1e-5)
+
+
+PROCESS_REQUESTS = [
+    [([1, 5, 7, 2], [9, 3]), ([1, 5, 7, 2], [4]), ([2, 8], [11, 12, 13])],
+    [([6], [7, 8]), ([3, 3, 9], [1]), ([3, 3, 9], [2, 5]), ([4, 1], [10]), ([4, 2], [10])],
+]
+
+
+def _score_own_requests(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two processes of the harness's data parallelism: requests of its own, scored alone."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        answers = RequestScorer(tiny_llama(50, seed=8), each_process_its_own=True).score(PROCESS_REQUESTS[rank], 0, 64)
+        with open(f"{out_dir}/{rank}.json", "w") as f:
+            json.dump(answers, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_process_scores_its_own_requests_alone(tmp_path):
+    """``--model tatblimp`` in the harness's data-parallel mode: each process gets other requests (different counts),
+    and scores them alone, with no collective over them; each gets what one process alone gives."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    mp.spawn(_score_own_requests, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        alone = RequestScorer(tiny_llama(50, seed=8)).score(PROCESS_REQUESTS[rank], 0, 64)
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert [tuple(answer) for answer in got] == alone

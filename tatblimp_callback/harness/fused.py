@@ -12,11 +12,13 @@ when the weights have moved, against a plain forward of the model on the first c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
+from ..engine import distributed
 from ..engine.model_checks import input_device
 from ..engine.scored_spans import sequence_cache
 from ..engine.scoring import Scorer
@@ -51,15 +53,26 @@ class RequestScorer:
         model: the causal LM (the harness's loaded model, or the training model).
         memory_budget: bytes of extra memory for activations and head tiles (None: the engine's default).
         row_length: positions per row (at least the longest sequence).
+        each_process_its_own: under ``torch.distributed``, each process holds requests of its own (the harness's
+            data-parallel ``HFLM`` deals them out by rank) and scores them alone; otherwise (the in-loop tasks)
+            every process holds them all, and each scores a share of the batches.
 
     The scoring method (tree, packed or padded rows; the head) is chosen at the first call, as the engine chooses
     it for TatBLiMP, and checked again at a later call once the weights have moved (a training model's). The
     same requests again (an in-loop task at every evaluation) reuse the scorer and its plan.
     """
 
-    def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, row_length: int = 256):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        memory_budget: int | None = None,
+        row_length: int = 256,
+        each_process_its_own: bool = False,
+    ):
         self.model = model
         self._options = {"memory_budget": memory_budget, "row_length": row_length}
+        self.each_process_its_own = each_process_its_own
         self._checker: Scorer | None = None  # its method check serves every call (the first call's requests, cut)
         self._scorer: Scorer | None = None  # the latest call's, with its plan
         self._sequences: tuple | None = None  # the latest call's (sequences, continuation lengths, pad id)
@@ -74,9 +87,11 @@ class RequestScorer:
         if not requests:
             return []
         sequences, continuation_lengths = request_sequences(requests, max_length)
-        scorer = self._scorer_for(sequences, continuation_lengths, pad_id)
-        logprobs = scorer.score()
-        return list(zip(logprobs.tolist(), scorer.spans.greedy(), strict=True))
+        alone = distributed.this_process_only() if self.each_process_its_own else contextlib.nullcontext()
+        with alone:  # no collectives over requests that differ from process to process
+            scorer = self._scorer_for(sequences, continuation_lengths, pad_id)
+            logprobs = scorer.score()
+            return list(zip(logprobs.tolist(), scorer.spans.greedy(), strict=True))
 
     def _scorer_for(self, sequences: list[list[int]], continuation_lengths: list[int], pad_id: int) -> Scorer:
         """The scorer of these requests: the latest call's if they are the same, else one made for them (the cache

@@ -40,7 +40,10 @@ class TatBLiMPLM(HFLM):
         if self.backend != "causal":
             raise ValueError(f"--model tatblimp scores causal LMs; {kwargs.get('pretrained')!r} loaded as {self.backend}")
         self.request_scorer = RequestScorer(
-            self.model, memory_budget=int(memory_budget) if memory_budget else None, row_length=int(row_length)
+            self.model,
+            memory_budget=int(memory_budget) if memory_budget else None,
+            row_length=int(row_length),
+            each_process_its_own=self.world_size > 1,  # the harness deals the requests out by rank
         )
         self._encoding_only = False
         self._encoded: dict[tuple[str, bool | None], list[int]] | None = None  # within a call: each string's tokens
