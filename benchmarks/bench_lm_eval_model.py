@@ -19,6 +19,13 @@ them, the head's matmul alone over every distinct scored context (``head_floor``
 multiple of it: no exact scorer can be faster than that floor, so ``hf``'s multiple bounds the possible speed-up.
 
     python benchmarks/bench_lm_eval_model.py --shape 1.5m --json benchmarks/results/lm-eval-model-1.5m.json
+
+``--host-profile 400,4000`` measures instead where ``--model tatblimp``'s calls spend their time apart from the model
+(issue #52): a near-free model (``--shape free``: 1 layer, hidden 8), the multiple-choice requests, each call split
+into the harness's encoding (``TemplateLM.loglikelihood`` before ``_loglikelihood_tokens``), the model's body (its
+``base_model`` forward), the head (the greedy reader) and the rest: planning, caches and Python per request, the
+host time. Best of ``--rounds`` warm calls (after one that chooses the scoring method) as for new requests (the
+harness model's latest plan dropped first), and of as many with the same requests again.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,8 +44,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_scoring import SHAPES, load_converted_tokenizer, machine_info, make_model, peak_extra_memory, timed  # noqa: E402
+from bench_scoring import (  # noqa: E402
+    SHAPES,
+    load_converted_tokenizer,
+    machine_info,
+    make_model,
+    peak_extra_memory,
+    synchronize,
+    timed,
+)
 
+# The near-free model of the host-time profile: its body costs next to nothing, so what a call costs beyond the head's
+# 48K-vocabulary normalisation is host work.
+SHAPES["free"] = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
 SHARED = Path(os.environ.get("TATBLIMP_SHARED", REPO.parent / "shared"))
 
 
@@ -146,6 +165,72 @@ def measure(name, requests, models, device, rounds: int, memory_requests: int, l
     return report
 
 
+def host_profile(lm, requests, rounds: int, device) -> dict:
+    """Seconds of a warm ``loglikelihood`` call spent encoding, in the model's body, in the head, and on the host
+    otherwise (the best call of ``rounds``, by its host time)."""
+    import tatblimp_callback.engine.scored_spans as spans_module
+
+    spent = {"body": 0.0, "head": 0.0, "scoring": 0.0}
+
+    def clocked(name, fn):
+        def run(*args, **kwargs):
+            synchronize(device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            synchronize(device)
+            spent[name] += time.perf_counter() - start
+            return out
+
+        return run
+
+    body = lm.model.get_base_model() if hasattr(lm.model, "get_base_model") else lm.model.base_model
+    originals = [(body, "forward", body.forward), (lm, "_loglikelihood_tokens", lm._loglikelihood_tokens)]
+    reader = ("greedy_logprobs", spans_module) if hasattr(spans_module, "greedy_logprobs") else None
+    if reader is None:  # the engine before the one greedy reader (issue #51): the harness model read its own
+        import tatblimp_callback.harness.fused as reader_module
+
+        reader = ("head_logprobs_and_greedy", reader_module)
+    originals.append((reader[1], reader[0], getattr(reader[1], reader[0])))
+    body.forward = clocked("body", body.forward)
+    lm._loglikelihood_tokens = clocked("scoring", lm._loglikelihood_tokens)
+    setattr(reader[1], reader[0], clocked("head", getattr(reader[1], reader[0])))
+    try:
+        lm.loglikelihood(requests, disable_tqdm=True)  # the first call: the scoring method chosen
+        calls = []
+        for k in range(2 * rounds):
+            if k % 2 == 0 and hasattr(lm.request_scorer, "_scorer"):
+                lm.request_scorer._scorer = None  # as for requests it has not seen: the plan made again
+            spent.update(body=0.0, head=0.0, scoring=0.0)
+            _, seconds, _ = timed(lambda: lm.loglikelihood(requests, disable_tqdm=True), device)
+            host = spent["scoring"] - spent["body"] - spent["head"]
+            calls.append(
+                {
+                    "same_requests_again": k % 2 == 1,
+                    "total": seconds,
+                    "encoding": seconds - spent["scoring"],
+                    "body": spent["body"],
+                    "head": spent["head"],
+                    "host": host,
+                }
+            )
+    finally:
+        for owner, name, original in originals:
+            if name == "forward" or name == "_loglikelihood_tokens":
+                vars(owner).pop(name, None)
+            else:
+                setattr(owner, name, original)
+    best = min((c for c in calls if not c["same_requests_again"]), key=lambda c: c["host"])
+    again = min((c for c in calls if c["same_requests_again"]), key=lambda c: c["host"])
+    return {
+        **best,
+        "requests": len(requests),
+        "host_per_1000_requests": 1000 * best["host"] / len(requests),
+        "encoding_per_1000_requests": 1000 * best["encoding"] / len(requests),
+        "same_requests_again_host_per_1000_requests": 1000 * again["host"] / len(requests),
+        "calls": calls,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5m")
@@ -158,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--memory-requests", type=int, default=2000)
     parser.add_argument("--tasks", default="blimp,mc")
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (on a loaded machine 1 keeps small ops from waiting)")
+    parser.add_argument("--host-profile", help="request counts (e.g. 400,4000): profile tatblimp's calls only (see above)")
     args = parser.parse_args(argv)
     log = lambda *parts: print(*parts, flush=True)  # noqa: E731
 
@@ -165,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tatblimp_callback.harness import register
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     tokenizer = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
     model = make_model(args.shape, len(tokenizer), device, torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -180,6 +269,18 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_batch_size": args.batch_size,
         "rounds": args.rounds,
     }
+    if args.host_profile:
+        for count in map(int, args.host_profile.split(",")):
+            requests = mc_requests(SHARED / "tatar-corpus" / "train.txt", count // 4, args.mc_context_words)
+            profile = report[f"host_profile_{count}"] = host_profile(models["tatblimp"], requests, args.rounds, device)
+            log(
+                f"{count:,} multiple-choice requests: call {profile['total']:.3f} s = encoding {profile['encoding']:.3f} + body "
+                f"{profile['body']:.3f} + head {profile['head']:.3f} + host {profile['host']:.3f} s "
+                f"(per 1,000 requests: host {profile['host_per_1000_requests']:.3f} s, encoding "
+                f"{profile['encoding_per_1000_requests']:.3f} s; the same requests again: host "
+                f"{profile['same_requests_again_host_per_1000_requests']:.3f} s)"
+            )
+        args.tasks = ""
     tasks = args.tasks.split(",")
     if "blimp" in tasks:
         requests = blimp_requests(SHARED / "blimp" / "data", args.blimp_per_file)

@@ -163,3 +163,23 @@ def test_a_candidate_timed_on_one_piece_only_is_not_kept_however_fast_it_looked(
         choice._plan["body_rate"] = 1e-4
         choice.finish()
         assert str(choice.method) == kept and choice.record["head_method"] == kept, pieces
+
+
+def test_the_head_is_timed_on_its_own_gpu(monkeypatch):
+    """With the head on another GPU than the current one (a device map), the clock waits for that GPU's work:
+    ``torch.cuda.synchronize(device)``, not the current device's (CUDA stubbed: a weight that reports cuda:1)."""
+    from types import SimpleNamespace
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    weight = SimpleNamespace(shape=(48_000, 1280), device=torch.device("cuda", 1), dtype=torch.bfloat16)
+    batch = SimpleNamespace(score_positions=torch.zeros(4096, dtype=torch.long))
+    layout = SimpleNamespace(batches=[batch], total_positions=40_000, padded_positions=0)
+    choice = head_choice.HeadChoice()
+    choice.begin(layout, False, weight, torch.bfloat16, 1 << 30, 0.5)
+    assert choice.choosing
+    choice._plan["sync"]()
+    assert waited == [torch.device("cuda", 1)]
+    hidden, contexts, targets = torch.zeros(2, 3), torch.tensor([0, 1]), torch.tensor([0, 0])
+    choice.forward_logprobs(lambda: (hidden, contexts, targets, 8), lambda *a: torch.zeros(2), torch.device("cuda", 1))
+    assert waited[1:3] == [torch.device("cuda", 1)] * 2  # before and after the body

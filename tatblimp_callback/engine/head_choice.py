@@ -81,6 +81,14 @@ def candidates(device: torch.device, vocab: int, dtype: torch.dtype, memory_budg
     return [TILES] + [HeadMethod("chunks", rows) for rows in sizes]
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s work before a clock is read: that CUDA device's synchronize (with the head on
+    another GPU than the current one, the current one's would time nothing), nothing elsewhere."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 @dataclass
 class Timing:
     contexts: int = 0
@@ -134,7 +142,7 @@ class HeadChoice:
         else:
             largest = max(b.score_positions.numel() for b in layout.batches[:1]) if len(layout.batches) else 1
             methods = candidates(weight.device, weight.shape[0], weight.dtype, memory_budget, largest)
-            sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+            sync = device_sync(weight.device)
             rtol = relative_tolerance(dtype, weight.device)
             self.start(methods, contexts, layout.total_positions, setup_seconds, rtol, sync)
 
@@ -163,12 +171,11 @@ class HeadChoice:
         log-probs with one method."""
         if not self.choosing:
             return run(self.method or TILES, *body()[:3])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync = device_sync(device)
+        sync()
         start = time.perf_counter()
         hidden, contexts, targets, positions = body()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         return self.batch_logprobs(run, hidden, contexts, targets, (time.perf_counter() - start + seconds, positions))
 
     def batch_logprobs(

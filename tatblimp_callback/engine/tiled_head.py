@@ -6,6 +6,10 @@ logit is one dot product, rounded as the head's matmul rounds its output. log p(
 is their difference. Where a forward call's contexts and the whole vocabulary fit one tile (on a GPU
 the vocabulary always does), the tile's float32 ``log_softmax`` and one gather give the same numbers
 in a few ops instead of a few dozen.
+
+lm-evaluation-harness's requests also want each target's greedy flag (``logprobs_and_greedy``): the same
+tiles give each context's maximum and its first column, and the target's logit is read from the tile
+itself. Every readout goes over the vocabulary by one loop (``vocabulary_tiles``), softcapped in one place.
 """
 
 from __future__ import annotations
@@ -75,9 +79,7 @@ def head_logprobs(
     ``hidden``: [k, hidden size] states of the contexts; ``contexts``/``targets``: [t] an index into
     them and a token id for each log-prob wanted; ``tile``: ``head_tile``'s (contexts, columns).
     """
-    head = lm.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    cap = getattr(lm.config, "final_logit_softcapping", None)
+    weight, bias, cap = head_parts(lm)
     rows, columns = tile
     if hidden.shape[0] <= rows and columns >= weight.shape[0]:
         return _one_tile_logprobs(hidden, weight, bias, cap, contexts, targets)
@@ -95,9 +97,7 @@ def head_logprobs(
 
 def _one_tile_logprobs(hidden, weight, bias, cap, contexts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``head_logprobs`` where all of ``hidden``'s logits are one tile: their float32 log-softmax, gathered."""
-    logits = F.linear(hidden, weight, bias).float()
-    if cap:  # in place: ``logits`` is a fresh tensor
-        logits.div_(cap).tanh_().mul_(cap)
+    logits = softcap_(F.linear(hidden, weight, bias).float(), cap)
     logprobs = logits.log_softmax(-1)[contexts, targets]
     # log_softmax is NaN throughout a row with a logit of inf; the tiled path's difference is -inf there
     # for every target whose own logit is not inf (a row with a NaN has the maximum NaN: NaN in both).
@@ -118,9 +118,7 @@ def chunked_logprobs(
 
     The same numbers as one tile of the whole batch, row for row (``log_softmax`` works on each row alone).
     """
-    head = lm.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    cap = getattr(lm.config, "final_logit_softcapping", None)
+    weight, bias, cap = head_parts(lm)
     if hidden.shape[0] <= rows:
         return _one_tile_logprobs(hidden, weight, bias, cap, contexts, targets)
     order = torch.argsort(contexts, stable=True)
@@ -140,22 +138,99 @@ def chunked_logprobs(
 
 def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:
     """log sum_v exp(logit_v) per row of ``hidden``, in float32, ``columns`` vocabulary entries at a time."""
-    parts = []
-    for start in range(0, weight.shape[0], columns):
-        part = slice(start, start + columns)
-        logits = F.linear(hidden, weight[part], None if bias is None else bias[part]).float()
-        if cap:  # in place: ``logits`` is a fresh tensor
-            logits.div_(cap).tanh_().mul_(cap)
-        parts.append(_fresh_log_sum_exp(logits))
+    parts = [_fresh_log_sum_exp(logits) for _, logits in vocabulary_tiles(hidden, weight, bias, cap, columns)]
     return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts, -1), -1)
 
 
-def _fresh_log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
+def vocabulary_tiles(hidden: torch.Tensor, weight: torch.Tensor | None, bias, cap: float | None, columns: int):
+    """The head's float32 logits of ``hidden``'s rows, ``columns`` vocabulary entries at a time, softcapped:
+    ``(first column, logits)`` per tile, each a fresh tensor the caller may change in place. With ``weight`` None,
+    ``hidden`` are the model's own logits (softcapped already: pass ``cap`` None), copied tile by tile.
+
+    The one loop over the vocabulary of every tiled readout (log-probs, greedy flags), and its one softcap.
+    """
+    vocab = weight.shape[0] if weight is not None else hidden.shape[-1]
+    for first in range(0, vocab, columns):
+        part = slice(first, first + columns)
+        if weight is not None:
+            logits = F.linear(hidden, weight[part], None if bias is None else bias[part]).float()
+        else:
+            logits = hidden[:, part].to(torch.float32, copy=True)
+        yield first, softcap_(logits, cap)
+
+
+def softcap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The model's final logit softcapping, ``cap * tanh(logits / cap)``, in place (``logits`` a fresh tensor)."""
+    return logits.div_(cap).tanh_().mul_(cap) if cap else logits
+
+
+def head_parts(lm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """The LM head's ``(weight, bias, final logit softcapping)``: what the tiled readouts compute the logits from."""
+    head = lm.get_output_embeddings()
+    return head.weight, getattr(head, "bias", None), getattr(lm.config, "final_logit_softcapping", None)
+
+
+def logprobs_and_greedy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    cap: float | None,
+    contexts: torch.Tensor,
+    targets: torch.Tensor,
+    tile: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(target | context), target is the context's argmax)`` for each wanted token, float32 and bool.
+
+    ``hidden``: [k, hidden size] states of the contexts (or, with ``weight`` None, their [k, vocabulary] logits);
+    ``contexts``/``targets``: [t] an index into them and a token id for each, on ``hidden``'s device; ``tile``:
+    (contexts, vocabulary columns) per tile; ``cap``: the model's final logit softcapping, if any (None for logits).
+
+    A target's logit is taken from the tile's own matmul output, so that it and the maximum it is compared with are
+    rounded alike. Greedy is ``torch.argmax``'s: the first index of the maximum (a target tied with an earlier
+    column is not greedy, as in lm-evaluation-harness's ``HFLM``). One host sync at most (with several row tiles).
+    """
+    rows, columns = tile
+    if hidden.shape[0] <= rows:  # one row tile: every wanted token, in order, no sort and no sync
+        return _row_tile(hidden, weight, bias, cap, contexts, targets, columns)
+    logprobs = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    greedy = torch.empty(targets.shape, dtype=torch.bool, device=hidden.device)
+    order = torch.argsort(contexts)  # the wanted tokens grouped by tile of contexts
+    starts = torch.arange(0, hidden.shape[0] + rows, rows, device=contexts.device)
+    bounds = torch.searchsorted(contexts[order], starts).tolist()  # the loop's one sync
+    for row_tile, start in enumerate(range(0, hidden.shape[0], rows)):
+        if bounds[row_tile] == bounds[row_tile + 1]:
+            continue
+        mine = order[bounds[row_tile] : bounds[row_tile + 1]]
+        part = hidden[start : start + rows]
+        logprobs[mine], greedy[mine] = _row_tile(part, weight, bias, cap, contexts[mine] - start, targets[mine], columns)
+    return logprobs, greedy
+
+
+def _row_tile(hidden, weight, bias, cap, at: torch.Tensor, wanted: torch.Tensor, columns: int):
+    """``logprobs_and_greedy`` of one tile of contexts (``at``: indices into ``hidden``), column tile by column tile."""
+    top = torch.full((hidden.shape[0],), float("-inf"), device=hidden.device)
+    first_top = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)  # the first column at the maximum
+    target_logits = torch.zeros(wanted.shape, dtype=torch.float32, device=hidden.device)
+    sums = []
+    for first, logits in vocabulary_tiles(hidden, weight, bias, cap, columns):
+        here = (wanted >= first) & (wanted < first + logits.shape[-1])
+        column = (wanted - first).clamp_(0, logits.shape[-1] - 1)
+        target_logits = torch.where(here, logits[at, column], target_logits)  # a gather, no mask indexing (no sync)
+        tile_top, tile_first = logits.max(-1)  # the first index of the tile's maximum
+        higher = tile_top > top  # a later tile wins only above the maximum so far: ties keep the earlier column
+        first_top = torch.where(higher, tile_first + first, first_top)
+        top = torch.where(higher, tile_top, top)
+        sums.append(_fresh_log_sum_exp(logits, tile_top))
+    log_normalizers = sums[0] if len(sums) == 1 else torch.logsumexp(torch.stack(sums, -1), -1)
+    return target_logits - log_normalizers[at], first_top[at] == wanted
+
+
+def _fresh_log_sum_exp(logits: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.logsumexp(logits, -1)``, computed in place in ``logits`` (a fresh tensor), with no temporary of the
     tile's size: on a CPU tile of 2,048 x 2,048 float32 logits 3.3 ms against torch's 5.4 ms (2 cores, best of 12,
     alternated, 2026-12-01); the same on narrow tiles. A row whose maximum is not finite is shifted by 0, so
-    that an infinite logit gives inf and a row of -inf gives -inf, as torch's does."""
-    top = logits.amax(-1, keepdim=True)
+    that an infinite logit gives inf and a row of -inf gives -inf, as torch's does. ``top``: the rows' maxima, if known."""
+    top = logits.amax(-1, keepdim=True) if top is None else top[:, None]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     return logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
 
@@ -166,4 +241,4 @@ def _target_logits(hidden, weight, bias, cap, targets: torch.Tensor) -> torch.Te
     if bias is not None:
         logits += bias[targets].float()
     logits = logits.to(weight.dtype).float()
-    return logits.div_(cap).tanh_().mul_(cap) if cap else logits
+    return softcap_(logits, cap)

@@ -77,17 +77,19 @@ def _region_surprisal_bits(lm, sequences, regions, marks, pad_id, batch_sentence
             ids[row, : len(sequences[k])] = torch.tensor(list(sequences[k]))
             mask[row, : len(sequences[k])] = 1
         hidden = lm.base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
+        totals = []  # float64 on the device: read back once per chunk, not once per sentence
         for row, k in enumerate(chunk):
             i, j = regions[k]
             # Input position p predicts scored token p (the prefix at input 0 predicts scored token 0).
             logprobs = _head(lm, hidden[row, i : j + 1].to(device)).log_softmax(-1)
             targets = torch.tensor(list(sequences[k][i + 1 : j + 1]), device=device)
-            total = float(logprobs[: j - i].gather(-1, targets[:, None]).sum())
+            total = logprobs[: j - i].gather(-1, targets[:, None]).sum()
             if boundary is not None:
-                after = float(logprobs[j - i, boundary].logsumexp(0))
+                after = logprobs[j - i, boundary].logsumexp(0)
                 first_unmarked = i == 0 and int(sequences[k][1]) not in starts
-                before = 0.0 if first_unmarked else float(logprobs[0, boundary].logsumexp(0))
-                total += after - before
+                total = total + (after if first_unmarked else after - logprobs[0, boundary].logsumexp(0))
+            totals.append(total)
+        for k, total in zip(chunk, torch.stack(totals).tolist(), strict=True):
             results[k] = -total / LN2
     return results
 

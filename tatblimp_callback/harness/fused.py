@@ -2,30 +2,26 @@
 
 A request is lm-evaluation-harness's ``(context tokens, continuation tokens)``, already encoded the harness's
 way (``HFLM._encode_pair``, its prefix token for an empty context). Its sequence is the two joined, cut from
-the left to the model's context plus one as ``HFLM`` cuts it; the engine lays the sequences out in rows (sorted
-prefix trees: the choices of one question share the question's positions, each computed once), and the chosen
-scoring method is checked against a plain forward of the model, as for TatBLiMP (``Scorer``).
-
-The head is applied only where a continuation token is predicted (a context's own tokens are never read), tile
-by tile (``greedy_head``); a request is greedy when every continuation token is its position's argmax, as
-``HFLM`` decides.
+the left to the model's context plus one as ``HFLM`` cuts it. The sequences are the spans of a cache of their own
+(``scored_spans``: scored on their continuation only, with greedy flags), scored by the engine's ``Scorer`` as the
+in-loop harness tasks are: prefix-tree rows (the choices of one question share the question's positions, each
+computed once), the head applied only where a continuation token is predicted (``greedy_head``), the scorer's
+out-of-memory retry and re-scoring of non-finite sequences. The scoring method is chosen once and checked again
+when the weights have moved, against a plain forward of the model on the first call's requests cut short.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from ..engine.cells import Cells
-from ..engine.forward import model_output
-from ..engine.greedy_head import head_logprobs_and_greedy
-from ..engine.model_checks import tree_mask_dtype
-from ..engine.model_state import scoring_mode
-from ..engine.packing import Batch, TokenSequences, build_layout
+from ..engine import distributed
+from ..engine.model_checks import input_device
 from ..engine.scored_spans import sequence_cache
 from ..engine.scoring import Scorer
-from ..engine.tiled_head import head_tile, plain_head_weight
 from ..tokenized.cache import SentenceCache
 
 CHECK_TOKENS = 64  # tokens of each sequence the scoring method is checked on
@@ -57,44 +53,61 @@ class RequestScorer:
         model: the causal LM (the harness's loaded model, or the training model).
         memory_budget: bytes of extra memory for activations and head tiles (None: the engine's default).
         row_length: positions per row (at least the longest sequence).
+        each_process_its_own: under ``torch.distributed``, each process holds requests of its own (the harness's
+            data-parallel ``HFLM`` deals them out by rank) and scores them alone; otherwise (the in-loop tasks)
+            every process holds them all, and each scores a share of the batches.
 
     The scoring method (tree, packed or padded rows; the head) is chosen at the first call, as the engine chooses
-    it for TatBLiMP, and kept for the scorer's life.
+    it for TatBLiMP, and checked again at a later call once the weights have moved (a training model's). The
+    same requests again (an in-loop task at every evaluation) reuse the scorer and its plan.
     """
 
-    def __init__(self, model: torch.nn.Module, *, memory_budget: int | None = None, row_length: int = 256):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        memory_budget: int | None = None,
+        row_length: int = 256,
+        each_process_its_own: bool = False,
+    ):
         self.model = model
         self._options = {"memory_budget": memory_budget, "row_length": row_length}
-        self.method = None  # chosen at the first call, for this model
+        self.each_process_its_own = each_process_its_own
+        self._checker: Scorer | None = None  # its method check serves every call (the first call's requests, cut)
+        self._scorer: Scorer | None = None  # the latest call's, with its plan
+        self._sequences: tuple | None = None  # the latest call's (sequences, continuation lengths, pad id)
+
+    @property
+    def method(self):
+        """The scoring method in use (None before the first call chose it)."""
+        return self._checker.method if self._checker is not None else None
 
     def score(self, requests: Sequence[Request], pad_id: int, max_length: int) -> list[tuple[float, bool]]:
         """``(sum of the continuation's token log-probs, every continuation token greedy)`` of each request."""
         if not requests:
             return []
         sequences, continuation_lengths = request_sequences(requests, max_length)
-        device = next(self.model.parameters()).device
-        cache = sequence_cache(sequences, pad_id, device, "lm-eval")
-        scorer = Scorer(self.model, self._check_cache(sequences, pad_id, device), **self._options)
-        with scoring_mode(self.model):
-            if self.method is None:  # the fastest layout whose numbers equal a plain forward, chosen once
-                self.method = scorer.check.when_due()
-            method = self.method
-            layout = build_layout(
-                TokenSequences(cache.token_ids, cache.offsets),
-                method.layout,
-                scorer.row_length,
-                scorer.tokens_per_batch,
-                pad_id=pad_id,
-                device=device,
-                tree_mask_dtype=tree_mask_dtype(scorer.lm) or torch.bool,
-            )
-            cells = Cells(cache)
-            logprobs, greedy = self._cells(scorer, layout, cells, method.head, continuation_lengths)
-        per_request, per_greedy = cells.per_sentence(logprobs), cells.per_sentence(greedy)
-        return [
-            (sum(tokens[-n:]), all(g == 1.0 for g in flags[-n:]))
-            for tokens, flags, n in zip(per_request, per_greedy, continuation_lengths, strict=True)
-        ]
+        alone = distributed.this_process_only() if self.each_process_its_own else contextlib.nullcontext()
+        with alone:  # no collectives over requests that differ from process to process
+            scorer = self._scorer_for(sequences, continuation_lengths, pad_id)
+            logprobs = scorer.score()
+            return list(zip(logprobs.tolist(), scorer.spans.greedy(), strict=True))
+
+    def _scorer_for(self, sequences: list[list[int]], continuation_lengths: list[int], pad_id: int) -> Scorer:
+        """The scorer of these requests: the latest call's if they are the same, else one made for them (the cache
+        on the device the model takes its input on, which a device map may set apart from its first weight's)."""
+        key = (sequences, continuation_lengths, pad_id)
+        if self._scorer is not None and self._sequences == key and self._scorer.serves(self.model):
+            return self._scorer
+        device = input_device(self.model)
+        if self._checker is None or not self._checker.serves(self.model):
+            self._checker = Scorer(self.model, self._check_cache(sequences, pad_id, device), **self._options)
+        cache = replace(sequence_cache(sequences, pad_id, device, "lm-eval"), span_tokens=tuple(continuation_lengths))
+        # The spans go through greedy_head, never through the timed head methods: nothing to time.
+        scorer = Scorer(self.model, cache, head_method="tiles", **self._options)
+        scorer.check = self._checker.check  # one method check for the harness model's life, on its short sample
+        self._scorer, self._sequences = scorer, key
+        return scorer
 
     @staticmethod
     def _check_cache(sequences: list[list[int]], pad_id: int, device: torch.device) -> SentenceCache:
@@ -103,36 +116,6 @@ class RequestScorer:
         The check compares each layout with a plain forward of the whole model on a sample; whether a model honours
         the tree mask and the position ids shows on short sequences as well, at a fraction of the cost (a sample of
         long multiple-choice contexts took 40 of a call's 46 seconds). The rows themselves are laid out for the full
-        sequences in ``score``: a full rolling window is one token longer than the context, its last a target only.
+        sequences: a full rolling window is one token longer than the context, its last a target only.
         """
         return sequence_cache([s[:CHECK_TOKENS] for s in sequences], pad_id, device, "lm-eval")
-
-    def _cells(self, scorer: Scorer, layout, cells: Cells, head: str, continuation_lengths: list[int]):
-        """Every continuation token's log-prob and greedy flag (1.0 or 0.0) in its cell; context cells stay 0 and 1."""
-        logprobs, greedy = cells.empty(), cells.empty() + 1
-        # A sequence's first continuation slot: the slots before it predict context tokens, which nothing reads.
-        first = cells.widths - torch.tensor(continuation_lengths, device=cells.device)
-        weight = plain_head_weight(scorer.lm) if head == "tiled" else None
-        for batch in layout.batches:
-            wanted = batch.score_slots >= first[batch.score_sentences]
-            if not wanted.any():
-                continue
-            lp, top = self._read(scorer, batch, weight, wanted)
-            sentences, slots = batch.score_sentences[wanted], batch.score_slots[wanted]
-            cells.write(logprobs, sentences, slots, lp)
-            cells.write(greedy, sentences, slots, top)
-            del batch, lp, top
-        return logprobs, greedy
-
-    def _read(self, scorer: Scorer, batch: Batch, weight, wanted: torch.Tensor):
-        """log p(target | context) and whether the target is the argmax (1.0 or 0.0), for the batch's wanted tokens."""
-        contexts, targets = batch.score_contexts[wanted], batch.score_targets[wanted]
-        read, inverse = contexts.unique(return_inverse=True)  # only the contexts a continuation token needs
-        narrowed = Batch(**{**vars(batch), "score_positions": batch.score_positions[read]})
-        output = model_output(scorer.lm, scorer.lm, narrowed, "tiled" if weight is not None else "full_logits")
-        vocab = weight.shape[0] if weight is not None else output.shape[-1]
-        tile = head_tile(output.device, vocab, output.dtype, scorer.memory_budget)
-        bias = scorer.lm.get_output_embeddings().bias if weight is not None else None
-        cap = getattr(scorer.lm.config, "final_logit_softcapping", None)
-        lp, top = head_logprobs_and_greedy(output, weight, bias, cap, inverse, targets.to(output.device), tile)
-        return lp, top.to(lp.dtype)

@@ -13,8 +13,12 @@ Importing this module registers the model with the harness (``import tatblimp_ca
 
 from __future__ import annotations
 
+from collections import defaultdict
+from contextlib import contextmanager
+
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from .fused import RequestScorer
@@ -36,19 +40,77 @@ class TatBLiMPLM(HFLM):
         if self.backend != "causal":
             raise ValueError(f"--model tatblimp scores causal LMs; {kwargs.get('pretrained')!r} loaded as {self.backend}")
         self.request_scorer = RequestScorer(
-            self.model, memory_budget=int(memory_budget) if memory_budget else None, row_length=int(row_length)
+            self.model,
+            memory_budget=int(memory_budget) if memory_budget else None,
+            row_length=int(row_length),
+            each_process_its_own=self.world_size > 1,  # the harness deals the requests out by rank
         )
         self._encoding_only = False
+        self._encoded: dict[tuple[str, bool | None], list[int]] | None = None  # within a call: each string's tokens
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``HFLM``'s, each distinct string of the call encoded once (``_encodings``)."""
+        with self._encodings(requests):
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
     def encode(self, requests) -> list[tuple[list[int], list[int]]]:
         """``(context tokens, continuation tokens)`` of each loglikelihood ``Instance``, nothing scored: the harness's own
         encoding (``TemplateLM.loglikelihood``: ``_encode_pair``, the prefix token for an empty context)."""
         self._encoding_only = True  # its _loglikelihood_tokens call gets the encoded requests: handed back as they are
         try:
-            encoded = super().loglikelihood(requests, disable_tqdm=True)
+            with self._encodings(requests):
+                encoded = super().loglikelihood(requests, disable_tqdm=True)
         finally:
             self._encoding_only = False
         return [(list(context), list(continuation)) for _, context, continuation in encoded]
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs):
+        """``HFLM.tok_encode``, from the call's encodings where the string is among them."""
+        known = None if self._encoded is None or kwargs else self._encoded.get((string, add_special_tokens))
+        if known is None:
+            return super().tok_encode(string, add_special_tokens, left_truncate_len, **kwargs)
+        return known[-left_truncate_len:] if left_truncate_len else list(known)
+
+    @contextmanager
+    def _encodings(self, requests):
+        """Within the block, ``tok_encode`` answers the strings the harness's encoding of ``requests`` asks for
+        (``TemplateLM.loglikelihood``, ``_encode_pair``) from one batch call of a fast tokenizer, each distinct string
+        once: the harness encodes a question's context again for each of its choices, each string a call of its own
+        (400 multiple-choice requests: 800 calls for 500 strings). Kept only if a sample equals ``tok_encode``'s own."""
+        self._encoded = self._batch_encodings([request.args for request in requests])
+        try:
+            yield
+        finally:
+            self._encoded = None
+
+    def _batch_encodings(self, pairs) -> dict[tuple[str, bool | None], list[int]] | None:
+        if not getattr(self.tokenizer, "is_fast", False) or not pairs:
+            return None
+        wanted = {}  # (string, add_special_tokens) as the harness's encoding asks, in order, once each
+        for context, continuation in pairs:
+            if context == "":
+                wanted[continuation, False] = None
+                continue
+            spaces = len(context) - len(context.rstrip())  # moved to the continuation, as _encode_pair moves them
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            wanted[context + continuation, None] = None
+            wanted[context, None] = None
+        bos = self.tokenizer.decode(self.prefix_token_id)
+        groups = defaultdict(list)  # tok_encode's tokenizer arguments -> the strings encoded with them
+        for string, add in wanted:
+            options = _add_special_kwargs(add, self.add_bos_token)
+            if add is None and has_bos_prefix(string, bos):
+                options["add_special_tokens"] = False
+            groups[tuple(sorted(options.items()))].append((string, add))
+        encoded = {}
+        for options, keys in groups.items():
+            ids = self.tokenizer([string for string, _ in keys], **dict(options))["input_ids"]
+            encoded.update(zip(keys, ids, strict=True))
+        sample = list(encoded.items())[:: max(1, len(encoded) // 8)][:8]
+        if any(super(TatBLiMPLM, self).tok_encode(string, add) != ids for (string, add), ids in sample):
+            return None  # this tokenizer's batch call is not its one-string call: the harness's own way, one by one
+        return encoded
 
     def rolling_windows(self, string: str) -> list[tuple[list[int], list[int]]]:
         """The ``(context, continuation)`` token windows of a rolling request, as ``HFLM.loglikelihood_rolling`` cuts them."""
