@@ -72,8 +72,9 @@ def test_harness_task_equals_tatblimp_score(model_dir, tmp_path):
             assert pair["phenomenon"] == name
             assert sample["acc"] == float(pair["passed"]) and sample["acc_norm"] == float(pair["passed_norm"])
             (good, _), (bad, _) = (r[0] for r in sample["resps"])
-            assert float(good) == pytest.approx(pair["good_logprob"], abs=1e-4)
-            assert float(bad) == pytest.approx(pair["bad_logprob"], abs=1e-4)
+            # HFLM sums a continuation in float32: within 1e-4 + 1e-7 of the log-prob (-838 nats differed by 1.26e-4)
+            assert float(good) == pytest.approx(pair["good_logprob"], abs=1e-4 + 1e-7 * abs(pair["good_logprob"]))
+            assert float(bad) == pytest.approx(pair["bad_logprob"], abs=1e-4 + 1e-7 * abs(pair["bad_logprob"]))
             decided += 1
     assert decided == 1248
 
