@@ -26,6 +26,8 @@ import torch
 from ..tokenized.cache import SentenceCache
 from . import distributed, head_choice
 from .cells import Cells
+from .compiled_forward import CompiledForward
+from .cuda_graphs import CudaGraphs
 from .forward import model_output, read_logprobs
 from .head_choice import HeadChoice, HeadMethod
 from .memory_budget import (
@@ -84,6 +86,9 @@ class Scorer:
         keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs``
             (one float64 a scored token, on the cache's device, until the next ``score()``); off,
             nothing is held between evaluations.
+        cuda_graphs: on a CUDA device, replay the plan's forward calls as CUDA graphs from the evaluation after the
+            method check on (``cuda_graphs``; where they cannot hold, the reason is logged once); False: never.
+        compile: ``torch.compile`` the scoring forward for the plan's shapes (``compiled_forward``): slow to start.
 
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the
@@ -109,6 +114,8 @@ class Scorer:
         truncate: bool = False,
         keep_token_logprobs: bool = False,
         head_method: str | HeadMethod | None = None,
+        cuda_graphs: bool = True,
+        compile: bool = False,
     ):
         self.model = model
         self.lm = unwrap_model(model)
@@ -151,6 +158,8 @@ class Scorer:
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
         self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
+        self.graphs = CudaGraphs(self.lm, cuda_graphs, self.sharded, self.tensor_parallel)
+        self.compiled = CompiledForward(compile, self.sharded)
         self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
@@ -339,8 +348,10 @@ class Scorer:
         cells = self.cells.empty()
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
-        for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self._batch_logprobs(batch, method.head, None if is_filler else spans)
+        graphs = keep_layout and self.graphs.batches(layout, (method, self.head_method), self.head.choosing, spans)
+        for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=self.sharded):
+            read = None if is_filler else spans
+            logprobs = self.graphs.logprobs(batch, lambda b, read=read: self._batch_logprobs(b, method.head, read))
             if not is_filler:
                 self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
@@ -395,7 +406,7 @@ class Scorer:
         return head_choice.method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return model_output(self._forward, self.lm, batch, head, position_ids)
+        return model_output(self.compiled(self._forward), self.lm, batch, head, position_ids, self.compiled(self.lm.base_model))
 
     def _forward_reads_positions(self, method: ScoringMethod, sample: list[int]) -> bool:
         batch = self._layout(method, sample).batches[0]
