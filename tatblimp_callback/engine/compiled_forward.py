@@ -34,8 +34,9 @@ class CompiledForward:
 
     enabled: bool = False
     sharded: bool = False
-    backend: str = "inductor"
+    backend: str | Callable = "inductor"
     reason: str | None = None
+    calls: int = 0  # forward calls that went through the compiled copy
     _compiled: dict = field(default_factory=dict)  # id(callable) -> (callable, its compiled copy)
 
     def __call__(self, fn: Callable) -> Callable:
@@ -47,17 +48,22 @@ class CompiledForward:
             return fn
         kept = self._compiled.get(id(fn))
         if kept is None or kept[0] is not fn:
-            kept = (fn, self._guarded(fn, torch.compile(fn, dynamic=False, backend=self.backend)))
+            kept = (fn, self._guarded(fn))
             self._compiled[id(fn)] = kept
         return kept[1]
 
-    def _guarded(self, fn: Callable, compiled: Callable) -> Callable:
-        """``compiled``, falling back to ``fn`` for good when compiling fails (the reason logged once)."""
+    def _guarded(self, fn: Callable) -> Callable:
+        """``fn`` compiled, falling back to ``fn`` itself for good when compiling fails (the reason logged once)."""
+        compiled = None
 
         def call(*args, **kwargs):
+            nonlocal compiled
             if self.reason is not None:
                 return fn(*args, **kwargs)
             try:
+                if compiled is None:
+                    compiled = torch.compile(fn, dynamic=False, backend=self.backend)
+                self.calls += 1
                 return compiled(*args, **kwargs)
             except torch.OutOfMemoryError:
                 raise

@@ -3,7 +3,8 @@
 The plan's batches are fixed tensors on the device (``packing.Batches.prepared``), so a batch's whole forward
 call (its inputs widened from the plan, the tree mask, the body, the head's log-probs) reads the same memory at
 every evaluation: the ideal case for a CUDA graph, which replays its kernels without launching them one by one
-from Python. A graph is captured at the first evaluation after the method check and the head's choice, per batch:
+from Python. A plan's graphs are captured at its second evaluation (after the method check and the head's choice;
+a one-off evaluation never pays for a capture), per batch:
 
 1. the batch is scored eagerly on a side stream with host synchronisation forbidden
    (``torch.cuda.set_sync_debug_mode("error")``): that gives this evaluation's values, warms the kernels up, and
@@ -178,11 +179,14 @@ class CudaGraphs:
         key = GraphKey(layout, methods, model_structure(self.lm))
         if key == self._failed:
             return layout.batches
-        if key != self._key:
-            if self._key is not None:
+        if key != self._key:  # scored as without graphs this time; captured at the next evaluation with this key
+            if self._graphs:
                 logger.info("tatblimp: the plan, the method or the model changed; CUDA graphs captured again")
             self.drop()
-            self._key, self._pool = key, self.graph_factory.pool()
+            self._key, self.reason = key, "first evaluation of this plan (graphs are captured at the next)"
+            return layout.batches
+        if self._pool is None:
+            self._pool = self.graph_factory.pool()
         self.reason = None
         return GraphBatches(layout.batches, self)
 
