@@ -28,6 +28,7 @@ class Emulated(TorchGraphs):
     def __init__(self, sync: bool = False, drift: float = 0.0, out_of_memory: int = 0):
         self.sync, self.drift, self.out_of_memory = sync, drift, out_of_memory
         self.warmed = 0
+        self.forbidding = False  # inside a warm-up: a host synchronisation is an error
 
     def supports(self, device):
         return True
@@ -39,7 +40,11 @@ class Emulated(TorchGraphs):
         self.warmed += 1
         if self.sync:
             raise RuntimeError("called a synchronizing CUDA operation")
-        return fn()
+        self.forbidding = True
+        try:
+            return fn()
+        finally:
+            self.forbidding = False
 
     def capture(self, fn, pool):
         if self.out_of_memory:
@@ -155,9 +160,32 @@ def test_a_forward_that_synchronises_with_the_host_falls_back_with_the_reason_lo
         scores = [graphed.score() for _ in range(4)]
     expected = scorer_with(model, cache, cuda_graphs=False).score()
     assert all(torch.equal(s, expected) for s in scores)
-    assert graphed.graphs.captures == 0 and emulated.warmed == 1  # not tried again for the same plan and model
+    assert graphed.graphs.captures == 0 and emulated.warmed == 2  # the whole call, the body: not tried again
     assert caplog.text.count("synchronises with the host") == 1
     assert graphed.graphs.reason is None or "synchronises" in caplog.text
+
+
+def test_where_the_head_synchronises_the_body_alone_is_replayed_and_the_head_run_after_it(cache, monkeypatch):
+    from tatblimp_callback.engine import head_choice
+
+    emulated = Emulated()
+    original = head_choice.method_logprobs
+
+    def reads_back(*args, **kwargs):  # as the one-tile head's ``bool(nan.any())`` does on a GPU
+        if emulated.forbidding:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(head_choice, "method_logprobs", reads_back)
+    model = tiny_llama(VOCAB)
+    graphed = scorer_with(model, cache, emulated)
+    eager = scorer_with(model, cache, cuda_graphs=False)
+    for evaluation in range(3):
+        assert torch.equal(graphed.score(), eager.score()), evaluation
+    batches = len(graphed.layout().batches)
+    assert graphed.graphs.captures == batches and graphed.graphs.replays == batches
+    assert graphed.graphs.body_only.startswith("the head synchronises with the host")
+    assert all(c.kept is not None for c in graphed.graphs._graphs.values())
 
 
 def test_a_replay_that_differs_from_eager_drops_the_graphs(cache, caplog):
@@ -222,3 +250,30 @@ def test_graphs_off_by_the_option_log_nothing(cache, caplog):
     with caplog.at_level(logging.INFO, logger="tatblimp_callback.engine.cuda_graphs"):
         scorer_with(tiny_llama(VOCAB), cache, cuda_graphs=False).score()
     assert "scoring without CUDA graphs" in caplog.text  # once, at INFO: the option's own reason
+
+
+def test_one_forward_call_where_a_quarter_of_free_gpu_memory_holds_every_position(cache, monkeypatch):
+    from types import SimpleNamespace
+
+    from tatblimp_callback.engine import memory_budget
+
+    model = tiny_llama(VOCAB)
+    per_position = memory_budget.activation_bytes_per_position(model.config, torch.float32, 24)
+    needed = sum(cache.lengths) * per_position
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), lengths=cache.lengths)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * needed, 8 * needed))
+    assert memory_budget.one_call_budget(2**16, on_gpu, model, 24) == needed
+    assert memory_budget.one_call_budget(2 * needed, on_gpu, model, 24) == 2 * needed  # never below the budget
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * needed - 4, 8 * needed))
+    assert memory_budget.one_call_budget(2**16, on_gpu, model, 24) is None  # a quarter of what is free is too little
+    assert memory_budget.one_call_budget(2**16, cache, model, 24) is None  # a CPU: no free memory to size it from
+    # The scorer's forward calls are sized by it: one call instead of several, the same numbers; after an
+    # out-of-memory, by the halved budget again.
+    several = scorer_with(model, cache, cuda_graphs=False)
+    expected = several.score()
+    assert len(several.layout().batches) > 1
+    one = scorer_with(model, cache, cuda_graphs=False)
+    one.call_budget = needed
+    assert torch.allclose(one.score(), expected, rtol=1e-6, atol=1e-6) and len(one.layout().batches) == 1
+    one._set_budget(2**15, retrying=True)
+    assert one.call_budget is None

@@ -54,22 +54,21 @@ class TorchGraphs:
         return torch.cuda.graph_pool_handle()
 
     def warm(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``fn()`` on a side stream with host synchronisation an error (the warm-up CUDA graphs need before capture)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        """``fn()`` with host synchronisation an error: the warm-up a capture needs, and the test that it can be one.
+
+        On the current stream: its output is used there, and the caching allocator ties memory to a stream.
+        """
         previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
         try:
-            with torch.cuda.stream(stream):
-                torch.cuda.set_sync_debug_mode("error")
-                output = fn()
+            return fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.current_stream().wait_stream(stream)
-        return output
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: CUDA calls of other threads (a data loader's pinned memory) do not break the capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             output = fn()
         return graph, output
 
@@ -136,9 +135,10 @@ def placement_reason(lm: torch.nn.Module, device: torch.device, sharded: bool, t
 @dataclass
 class Captured:
     graph: Any
-    output: torch.Tensor  # the graph's log-probs: overwritten by each replay
+    output: torch.Tensor  # the graph's log-probs (or the body's output): overwritten by each replay
     sentences: torch.Tensor
     slots: torch.Tensor
+    kept: Any = None  # where only the body is captured: the batch it reads, for the head run after it
 
 
 @dataclass(repr=False)
@@ -158,6 +158,7 @@ class CudaGraphs:
     captures: int = 0
     replays: int = 0
     reason: str | None = None
+    body_only: str | None = None  # why only the bodies are captured (the head reads back to the host), if so
     _key: GraphKey | None = None
     _failed: GraphKey | None = None  # a key whose capture failed: not tried again until the key changes
     _graphs: dict = field(default_factory=dict)
@@ -190,19 +191,21 @@ class CudaGraphs:
         self.reason = None
         return GraphBatches(layout.batches, self)
 
-    def logprobs(self, batch, eager: Callable) -> torch.Tensor:
-        """The batch's log-probs: ``eager(batch)`` for a plain ``Batch``; a ``GraphBatch``'s graph replayed, captured
-        first when it has none (the eager values kept for this evaluation, the replay checked against them)."""
+    def logprobs(self, batch, scorer, head: str, spans=None) -> torch.Tensor:
+        """The batch's log-probs, by ``scorer`` (the ``Scorer`` these forward calls are for: its ``_batch_logprobs``,
+        and its ``_model_output`` and ``_read`` for the body and the head apart) with ``head``: eagerly for a plain
+        ``Batch``; for a ``GraphBatch`` its graph replayed, captured first when it has none (the eager values kept for
+        this evaluation, the replay checked against them)."""
         if not isinstance(batch, GraphBatch):
-            return eager(batch)
+            return scorer._batch_logprobs(batch, head, spans)
         captured = self._graphs.get(batch.index)
-        if captured is not None:
-            self.graph_factory.replay(captured.graph)
-            self.replays += 1
-            return captured.output
-        if self._key is None:  # the graphs were dropped earlier in this evaluation
-            return eager(batch.build())
-        return self._capture(batch, eager)
+        if captured is None and self._key is None:  # the graphs were dropped earlier in this evaluation
+            return scorer._batch_logprobs(batch.build(), head, spans)
+        if captured is None:
+            return self._capture(batch, scorer, head)
+        self.graph_factory.replay(captured.graph)
+        self.replays += 1
+        return captured.output if captured.kept is None else scorer._read(captured.kept, head, captured.output)
 
     def drop(self) -> None:
         """Let every graph and its memory go."""
@@ -210,16 +213,21 @@ class CudaGraphs:
         self._kept.clear()
         self._key = self._pool = None
 
-    def _capture(self, batch: GraphBatch, eager: Callable) -> torch.Tensor:
-        fn = lambda: eager(batch.build())  # noqa: E731 - the batch built from the plan inside the graph
-        key = self._key
+    def _capture(self, batch: GraphBatch, scorer, head: str) -> torch.Tensor:
+        """Batch ``batch``'s graph captured: its whole forward call (the batch built from the plan inside it), or where
+        the head reads values back to the host, the body alone (its inputs built once and kept), the head run as before."""
+        key, kept = self._key, None
+        fn = lambda: scorer._batch_logprobs(batch.build(), head, None)  # noqa: E731
         try:
-            values = self.graph_factory.warm(fn)
-        except torch.OutOfMemoryError:
-            self.drop()
-            raise
-        except RuntimeError as error:  # a host synchronisation (sync debug mode "error"), or no capture on this stream
-            return self._fail(key, f"the forward synchronises with the host ({_first_line(error)})", eager, batch)
+            values = self._warm(fn)
+        except RuntimeError as error:  # a host synchronisation (sync debug mode "error")
+            kept = batch.build()
+            fn = lambda: scorer._model_output(kept, head)  # noqa: E731
+            try:
+                values = self._warm(fn)
+            except RuntimeError as error:
+                return self._fail(key, f"the forward synchronises with the host ({_first_line(error)})", scorer, batch, head)
+            self.body_only = f"the head synchronises with the host ({_first_line(error)}): the body alone is replayed"
         try:
             self._kept.extend(tree_mask._OFFSETS.values())  # read by the graph, cached outside it
             graph, output = self.graph_factory.capture(fn, self._pool)
@@ -228,19 +236,26 @@ class CudaGraphs:
             self.drop()
             raise
         except RuntimeError as error:
-            return self._fail(key, f"capture failed ({_first_line(error)})", eager, batch, values)
+            return self._fail(key, f"capture failed ({_first_line(error)})", scorer, batch, head)
         if not _bitwise_equal(output, values):
-            return self._fail(key, "a graph replay differs from the eager forward", eager, batch, values)
-        built = batch.build()
-        self._graphs[batch.index] = Captured(graph, output, built.score_sentences, built.score_slots)
+            return self._fail(key, "a graph replay differs from the eager forward", scorer, batch, head)
+        built = kept or batch.build()
+        self._graphs[batch.index] = Captured(graph, output, built.score_sentences, built.score_slots, kept)
         self.captures += 1
-        return values
+        return values if kept is None else scorer._read(kept, head, values)
 
-    def _fail(self, key, reason: str, eager, batch, values=None) -> torch.Tensor:
+    def _warm(self, fn: Callable) -> torch.Tensor:
+        try:
+            return self.graph_factory.warm(fn)
+        except torch.OutOfMemoryError:
+            self.drop()
+            raise
+
+    def _fail(self, key, reason: str, scorer, batch, head: str) -> torch.Tensor:
         self.drop()
         self._failed = key
         self._say(reason, level=logging.WARNING)
-        return values if values is not None else eager(batch.build())
+        return scorer._batch_logprobs(batch.build(), head, None)
 
     def _reason(self, layout, device: torch.device, choosing: bool, same_pass: bool) -> str | None:
         if not self.enabled:

@@ -347,8 +347,7 @@ class Scorer:
         split = (sequences is None if split is None else split) and not self.tensor_parallel
         graphs = keep_layout and self.graphs.batches(layout, (method, self.head_method), self.head.choosing, spans)
         for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=self.sharded):
-            read = None if is_filler else spans
-            logprobs = self.graphs.logprobs(batch, lambda b, read=read: self._batch_logprobs(b, method.head, read))
+            logprobs = self.graphs.logprobs(batch, self, method.head, None if is_filler else spans)
             if not is_filler:
                 self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
