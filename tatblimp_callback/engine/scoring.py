@@ -83,8 +83,8 @@ class Scorer:
         truncate: cut sentences longer than the model's context instead of raising; the number cut is reported.
         keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs`` (one float64 a scored
             token, on the cache's device, until the next ``score()``); off, nothing is held between evaluations.
-        cuda_graphs, compile: replay the plan's forward calls as CUDA graphs on a GPU (``cuda_graphs``, on by default);
-            ``torch.compile`` them for the plan's shapes (``compiled_forward``, off: a slow start, for long runs).
+        cuda_graphs: replay the plan's forward calls as CUDA graphs on a GPU (``cuda_graphs``); False: never.
+        compile: ``torch.compile`` the scoring forward for the plan's shapes (``compiled_forward``): a slow start.
 
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the
