@@ -163,6 +163,7 @@ class CudaGraphs:
     _failed: GraphKey | None = None  # a key whose capture failed: not tried again until the key changes
     _graphs: dict = field(default_factory=dict)
     _pool: Any = None
+    _seen: Any = None  # the plan evaluated last (its graphs are captured from its second evaluation on)
     _logged: set = field(default_factory=set)
     _kept: list = field(default_factory=list)  # tensors the graphs read that are cached outside them
 
@@ -176,16 +177,19 @@ class CudaGraphs:
         reason = self._reason(layout, device, choosing, spans is not None)
         if reason is not None:
             self._say(reason)
+            self._seen = layout if choosing else self._seen  # the head's choice is the plan's first evaluation
             return layout.batches
         key = GraphKey(layout, methods, model_structure(self.lm))
         if key == self._failed:
             return layout.batches
-        if key != self._key:  # scored as without graphs this time; captured at the next evaluation with this key
+        if key != self._key:
             if self._graphs:
                 logger.info("tatblimp: the plan, the method or the model changed; CUDA graphs captured again")
             self.drop()
-            self._key, self.reason = key, "first evaluation of this plan (graphs are captured at the next)"
-            return layout.batches
+            self._key = key
+            if self._seen is not layout:  # the plan's first evaluation: as without graphs; captured at the next
+                self._seen, self.reason = layout, "first evaluation of this plan (graphs are captured at the next)"
+                return layout.batches
         if self._pool is None:
             self._pool = self.graph_factory.pool()
         self.reason = None
