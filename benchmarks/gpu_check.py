@@ -214,7 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_masks:
         from bench_overhead import flex_against_sdpa, host_seconds, mask_options
 
-        report["host"] = host_seconds(scorer, args.repeats)
+        # Without graphs: a replay calls no forward to time apart (part 1b's rows give each way's host time).
+        eager = Scorer(model, cache, cuda_graphs=False)
+        eager.score()
+        report["host"] = host_seconds(eager, args.repeats)
         report["masks"] = mask_options(model, cache, args.repeats)
         save(report, args.json)
         try:
