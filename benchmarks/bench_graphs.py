@@ -135,7 +135,7 @@ def compile_break_even(rows: dict) -> dict | None:
                 "rows": [compiled, base],
                 "first_calls_extra_seconds": extra,
                 "saved_per_evaluation_seconds": saved,
-                "evaluations": extra / saved if saved > 0 else None,
+                "evaluations": max(extra, 0.0) / saved if saved > 0 else None,  # 0: it pays at once
             }
     return None
 
