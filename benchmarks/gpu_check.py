@@ -11,6 +11,10 @@ It measures, in one process:
    head's method its first evaluation chose by timing (``head_choice.chosen``: each candidate's seconds
    per 1,000 contexts) and every candidate forced, a whole evaluation each (``head_choice.forced_seconds``); and
    the same on packed rows, for what the prefix-tree rows gain or cost on this device;
+1b. the same evaluation four ways (issue #52, ``bench_graphs.py``): eager, CUDA graphs, compiled, compiled + graphs,
+   each its best time, host time and kernel launches (``torch.profiler``) and its log-probs against eager's; one
+   forward call against the calls the memory budget alone allows; from what count of evaluations the compile pays
+   (``--skip-speed`` skips it; ``--speed-rows`` picks rows);
 2. lm-evaluation-harness 0.4.13 ``HFLM.loglikelihood`` (batch size 64, float32 softmax) on the
    same sentences and model, its time, peak memory and per-sentence agreement with ours;
 3. the engine's own costs (issue #31): the first call's plan and method check (in ``ours``), the host
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm", action="store_true", help="4.: the same weights on backend='vllm', and lm-eval's vLLM model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="with --vllm: vLLM's share of the GPU")
     parser.add_argument("--skip-masks", action="store_true", help="no host time, mask and FlexAttention comparisons")
+    parser.add_argument("--skip-speed", action="store_true", help="1b.: no eager / graphs / compiled rows")
+    parser.add_argument("--speed-rows", default="eager,graphs,compiled,compiled_graphs", help="1b.: which rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -165,6 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
     report["ours_packed_rows"] = {"seconds": packed_seconds, "max_abs_diff_vs_ours": float((packed_scores - ours).abs().max())}
     save(report, args.json)  # each part is kept as soon as it is measured, should a later one fail
 
+    # 1b. Eager, CUDA graphs, compiled, compiled + graphs; one call against several (the rows that need CUDA skipped on a CPU).
+    if not args.skip_speed:
+        from bench_graphs import speed_rows
+
+        report["speed"] = speed_rows(model, cache, device, args.repeats, args.speed_rows.split(","))
+        save(report, args.json)
+
     # 2. lm-eval on the same model and sentences (optional: without it the rest is still measured).
     try:
         runner = None if args.skip_lm_eval else LmEvalRunner(model, tokenizer, batch_size=64)
@@ -201,7 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_masks:
         from bench_overhead import flex_against_sdpa, host_seconds, mask_options
 
-        report["host"] = host_seconds(scorer, args.repeats)
+        # Without graphs: a replay calls no forward to time apart (part 1b's rows give each way's host time).
+        eager = Scorer(model, cache, cuda_graphs=False)
+        eager.score()
+        report["host"] = host_seconds(eager, args.repeats)
         report["masks"] = mask_options(model, cache, args.repeats)
         save(report, args.json)
         try:
@@ -251,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         "overhead_at_most_1pct": max(report["training"]["overhead_at_1_per_500_steps"], 0) <= TARGET_OVERHEAD,
         "peak_at_most_eighth_of_full_logits": peak <= full_logits / 8,
         "host_at_most_20ms": report.get("host", {}).get("host_seconds", 1.0) <= 0.02,
+        **speed_targets(report.get("speed", {}).get("rows", {}), report.get("lm_eval", {}).get("seconds")),
     }
     if folder is not None:
         del model, optimizer, scorer, packed, train_scorer
@@ -295,6 +312,19 @@ def vllm_part(folder: str, tokenizer, benchmark, ours: torch.Tensor, args) -> di
             values = lm_eval.pop("values")
             part["lm_eval_vllm"] = {**lm_eval, **compare(values, ours)}
     return part
+
+
+def speed_targets(rows: dict, lm_eval_seconds: float | None) -> dict:
+    """Issue #52's targets (H200, 478M, bf16): graphs at most 50 ms, compiled + graphs 40 ms, host 2 ms, 40x HFLM."""
+    graphs, compiled = rows.get("graphs", {}), rows.get("compiled_graphs", {})
+    best = min((r["seconds"] for r in (graphs, compiled) if "seconds" in r), default=None)
+    return {
+        "graphs_eval_at_most_50ms": graphs.get("seconds", 1.0) <= 0.05,
+        "compiled_graphs_eval_at_most_40ms": compiled.get("seconds", 1.0) <= 0.04,
+        "graphs_host_at_most_2ms": graphs.get("profile", {}).get("host_seconds", 1.0) <= 0.002,
+        "graphs_bitwise_equal_to_eager": graphs.get("bitwise_equal_to_eager", False),
+        "speedup_vs_lm_eval_at_least_40": bool(best and lm_eval_seconds and lm_eval_seconds / best >= 40),
+    }
 
 
 def save(report: dict, path: Path | None) -> None:

@@ -8,6 +8,8 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/wheels/*.whl;
 #   PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --device cuda --model-shape 478m \
 #       --data .device/test.jsonl --tokenizer .device/kypchak_unigram_48k.model --json $OUT/gpu_check.json
+# Part 1b (eager, CUDA graphs, compiled, compiled + graphs; benchmarks/bench_graphs.py) needs nothing beyond the
+# image's torch and triton; its two compiled rows take a minute or two each (--speed-rows eager,graphs: without them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${SHARED:-../shared}

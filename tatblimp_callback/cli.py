@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add each pair's token log-probs, token texts and edit span to pairs[i] of --output (see diagnostics docs)",
     )
+    score.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="never replay the forward calls as CUDA graphs (they are captured at a plan's second evaluation only)",
+    )
+    score.add_argument(
+        "--compile", action="store_true", help="torch.compile the scoring forward (about a minute to start on a GPU)"
+    )
     add_suite_arguments(score)
     add_forced_choice_arguments(score)
     score.set_defaults(run=run_score)
@@ -118,6 +126,8 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         truncate=args.truncate,
         head_method=getattr(args, "head_method", None),
         row_length=getattr(args, "row_length", None),
+        cuda_graphs=not getattr(args, "no_cuda_graphs", False),
+        compile=getattr(args, "compile", False),
         suites=suites,
         include_tokens=getattr(args, "include_tokens", False),
         **backend_options(args),

@@ -74,6 +74,10 @@ class Evaluator:
         head_method: force how the LM head gives log-probs ("tiles" or "chunks:N"); default: timed at the
             first evaluation, the fastest exact one kept (``engine/head_choice.py``).
         row_length: positions per row (default: ``scoring.DEFAULT_ROW_LENGTH``, at least the longest sentence).
+        cuda_graphs: on a CUDA device, replay the plan's forward calls as CUDA graphs (``engine/cuda_graphs.py``;
+            the same numbers, bit for bit); False: launch them one by one, as without graphs.
+        compile: ``torch.compile`` the scoring forward for the plan's shapes (``engine/compiled_forward.py``); off by
+            default, since the first compile takes about a minute on a GPU (see the long-runs guide).
         cache_path: a safetensors file to load the cache from, or to save it to once built (each suite's
             next to it, as ``<stem>.<name><suffix>``).
         suites: more suites to score in the same pass, ``{name: path or Suite}`` (a path is read with
@@ -105,6 +109,8 @@ class Evaluator:
         method: ScoringMethod | str | None = None,
         head_method: str | None = None,
         row_length: int | None = None,
+        cuda_graphs: bool = True,
+        compile: bool = False,
         cache_path: str | os.PathLike | None = None,
         suites: Mapping[str, Suite | str | os.PathLike] | None = None,
         include_tokens: bool = False,
@@ -128,6 +134,7 @@ class Evaluator:
         self.method = method
         self.head_method = head_method
         self.row_length = row_length
+        self.cuda_graphs, self.compile = cuda_graphs, compile
         self.cache_path = cache_path
         self.suites = {name: s if isinstance(s, Suite) else load_suite(name, s) for name, s in (suites or {}).items()}
         self._parts: list[tuple[str | None, SentenceCache, int]] = []  # (suite name or None, its cache, first sentence)
@@ -175,6 +182,7 @@ class Evaluator:
         options = dict(memory_budget=self.memory_budget, truncate=self.truncate, method=self.method, head_method=self.head_method)
         if self.row_length is not None:
             options["row_length"] = self.row_length
+        options.update(cuda_graphs=self.cuda_graphs, compile=self.compile)
         scorer = scorer_for(self, model, build, **options)
         scorer.keep_token_logprobs = self.include_tokens
         return scorer
@@ -343,7 +351,7 @@ def evaluate(
         data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
-            ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``,
+            ``memory_budget``, ``truncate``, ``method``, ``cuda_graphs``, ``compile``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``,
             ``backend``, ``vllm_options``).
 
     Returns:

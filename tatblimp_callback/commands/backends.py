@@ -22,6 +22,8 @@ _TRANSFORMERS_ONLY = {
     "memory_budget_mb": "--memory-budget-mb",
     "head_method": "--head-method",
     "row_length": "--row-length",
+    "no_cuda_graphs": "--no-cuda-graphs",
+    "compile": "--compile",
 }
 _VLLM_ONLY = {
     "tensor_parallel_size": "--tensor-parallel-size",

@@ -49,6 +49,19 @@ class Cells:
         """The sequence of each cell."""
         return torch.repeat_interleave(torch.arange(len(self.widths), device=self.device), self.widths)
 
+    def non_finite(self, cells: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """The sequences with a NaN or inf cell, and a mask of all their cells: ``([], None)`` when every cell is finite.
+
+        A NaN in one sequence of a packed or tree row spreads to the row's other sequences (masked
+        attention weights are zero, but zero times NaN is NaN), so only a row of its own tells
+        which sequences are really non-finite: the scorer scores these again that way.
+        """
+        if torch.isfinite(cells).all():
+            return [], None
+        owners = self.owners()
+        bad = owners[~torch.isfinite(cells)].unique().tolist()
+        return bad, torch.isin(owners, torch.tensor(bad, device=owners.device))
+
     def reduce(self, cells: torch.Tensor) -> torch.Tensor:
         """Sentences: the sum of each one's cells, left to right; prompts: the answers' log-probs, [prompts, answers]."""
         if self.answers:

@@ -14,11 +14,13 @@ from .packing import Batch
 from .tiled_head import head_logprobs
 
 
-def model_output(forward, lm: torch.nn.Module, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def model_output(
+    forward, lm: torch.nn.Module, batch: Batch, head: str, position_ids: torch.Tensor | None = None, body=None
+) -> torch.Tensor:
     """The hidden states ("tiled" head) or the model's logits ("full_logits") at the positions the batch reads.
 
     ``forward``: the callable that gives the logits (the model, or its unwrapped forward); ``lm``: the
-    causal LM whose ``base_model`` gives the hidden states.
+    causal LM whose ``base_model`` gives the hidden states, or ``body`` in its place (a compiled copy of it).
     """
     inputs = {
         "input_ids": batch.input_ids,
@@ -29,7 +31,7 @@ def model_output(forward, lm: torch.nn.Module, batch: Batch, head: str, position
     if head == "full_logits":
         output = forward(**inputs).logits
     else:
-        output = lm.base_model(**inputs).last_hidden_state
+        output = (body or lm.base_model)(**inputs).last_hidden_state
     # The hidden states are wherever the last layer left them (under a device map, not the cache's device).
     return output.reshape(-1, output.shape[-1]).index_select(0, batch.score_positions.to(output.device))
 

@@ -39,6 +39,23 @@ def default_memory_budget(device: torch.device, full_logits_bytes: int | None = 
     return max(MIN_MEMORY_BUDGET, budget)
 
 
+def one_call_budget(memory_budget: int, cache, lm: torch.nn.Module, row_length: int) -> int | None:
+    """The bytes a forward call may use: at least ``memory_budget``, and enough for every token of ``cache``
+    (``activation_bytes_per_position`` of ``lm`` each) where the memory free beside training is known and a quarter of
+    it holds them: on one GPU (one process). None: the calls are sized by ``memory_budget``.
+
+    The default budget stays what it is for the LM head and the plan: only the body's calls are sized by this, so
+    an evaluation on a large card is one call instead of a few (the 478M shape's three under its 691 MB budget on
+    a 141 GB H200). Measured by ``benchmarks/gpu_check.py`` (``calls``).
+    """
+    if cache.device.type != "cuda" or distributed.world()[1] > 1:
+        return None
+    free, _ = torch.cuda.mem_get_info(cache.device)
+    dtype = next(lm.parameters()).dtype
+    needed = sum(cache.lengths) * activation_bytes_per_position(lm.config, dtype, row_length)
+    return max(memory_budget, needed) if needed <= free // 4 else None
+
+
 def activation_bytes_per_position(config, dtype: torch.dtype, row_length: int) -> int:
     """Estimated live bytes per position in a forward call: one layer's activations plus a row's attention scores.
 

@@ -1,19 +1,18 @@
 """The scoring engine: exact, memory-bounded log-probabilities of every cached sequence, for both protocols.
 
-The scorer runs the model's body once per batch of rows (prefix trees, so that sequences which
-start alike share those positions), keeps the hidden states of the positions it reads, and turns
-them into log-probs through the LM head tile by tile (``tiled_head``). Each log-prob lands in its
-own cell (one per scored token, or per answer), which are then read out:
+The scorer runs the model's body once per batch of rows (prefix trees, so that sequences which start alike
+share those positions), keeps the hidden states of the positions it reads, and turns them into log-probs through
+the LM head tile by tile (``tiled_head``). Each log-prob lands in its own cell (one per scored token, or per
+answer), which are then read out:
 
-- sentences (the log-prob protocol): every next token is read, and a sentence's log-prob is the
-  sum of its cells, added in a fixed order (so ties, and "the same numbers as one process", hold
-  on any device);
+- sentences (the log-prob protocol): every next token is read, and a sentence's log-prob is the sum of its
+  cells, added in a fixed order (so ties, and "the same numbers as one process", hold on any device);
 - prompts (forced choice): only the last position is read, for each answer token's log-prob.
 
-Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers
-equal a plain one-sequence-at-a-time forward of the whole model on a sample, and checks it again
-once the weights have moved. One memory budget, one out-of-memory retry, one re-scoring of
-non-finite sequences and one distributed lockstep serve both protocols.
+Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers equal a
+plain one-sequence-at-a-time forward of the whole model on a sample, and checks it again once the weights have
+moved. One memory budget, one out-of-memory retry, one re-scoring of non-finite sequences and one distributed
+lockstep serve both protocols. On a GPU the plan's forward calls are replayed as CUDA graphs (``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -26,10 +25,13 @@ import torch
 from ..tokenized.cache import SentenceCache
 from . import distributed, head_choice
 from .cells import Cells
+from .compiled_forward import CompiledForward
+from .cuda_graphs import CudaGraphs
 from .forward import model_output, read_logprobs
 from .head_choice import HeadChoice, HeadMethod
 from .memory_budget import (
     default_memory_budget,
+    one_call_budget,
     positions_per_forward,
     release_freed_memory,
     retry_out_of_memory,
@@ -68,22 +70,21 @@ class Scorer:
     sharded by FSDP or DeepSpeed ZeRO-3 is scored through its own forward, in lockstep.
 
     Args:
-        model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, ``torch.compile``
-            or PEFT.
+        model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, ``torch.compile`` or PEFT.
         cache: the tokenized sentences (or forced-choice prompts), on the model's device.
-        memory_budget: bytes of extra memory one evaluation may use for activations and logits;
-            None sets it from free device memory (a quarter of it on a GPU, 512 MiB on a CPU),
-            and never above a tenth of the float32 logits of all the cached tokens.
+        memory_budget: bytes of extra memory one evaluation may use for activations and logits; None sets it from free
+            device memory (a quarter of it on a GPU, 512 MiB on a CPU), never above a tenth of the float32 logits of all
+            the cached tokens, and lets one forward call hold every position where a quarter of free GPU memory does.
         row_length: positions per row.
         head_method: force how the LM head gives log-probs (``"tiles"`` or ``"chunks:N"``, see ``head_choice``),
             never timed; None times the candidates at the first evaluation and keeps the fastest exact one.
         method: force a ``ScoringMethod`` (or a layout: "tree", "packed", "padded"), never checked;
             None chooses the fastest that matches a plain forward, and checks it again later.
-        truncate: cut sentences longer than the model's context instead of raising; the number
-            cut is reported.
-        keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs``
-            (one float64 a scored token, on the cache's device, until the next ``score()``); off,
-            nothing is held between evaluations.
+        truncate: cut sentences longer than the model's context instead of raising; the number cut is reported.
+        keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs`` (one float64 a scored
+            token, on the cache's device, until the next ``score()``); off, nothing is held between evaluations.
+        cuda_graphs: replay the plan's forward calls as CUDA graphs on a GPU (``cuda_graphs``); False: never.
+        compile: ``torch.compile`` the scoring forward for the plan's shapes (``compiled_forward``): a slow start.
 
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the
@@ -109,6 +110,8 @@ class Scorer:
         truncate: bool = False,
         keep_token_logprobs: bool = False,
         head_method: str | HeadMethod | None = None,
+        cuda_graphs: bool = True,
+        compile: bool = False,
     ):
         self.model = model
         self.lm = unwrap_model(model)
@@ -127,6 +130,7 @@ class Scorer:
         self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
         full_logits = sum(self.cache.lengths) * self._vocab_size() * 4
         self.memory_budget = memory_budget or default_memory_budget(self.cache.device, full_logits)
+        self.call_budget = None if memory_budget else one_call_budget(self.memory_budget, self.cache, self.lm, self.row_length)
         if isinstance(method, str):
             method = ScoringMethod(method, "tiled" if self._head_weight() is not None else "full_logits")
         sample = sample_sequences(self.cache.lengths, SAMPLE_PAIRS)
@@ -151,6 +155,8 @@ class Scorer:
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
         self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
+        self.graphs = CudaGraphs(self.lm, cuda_graphs, self.sharded, self.tensor_parallel)
+        self.compiled = CompiledForward(compile, self.sharded)
         self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
@@ -189,12 +195,11 @@ class Scorer:
         (``cache.answer_ids``): ``[prompts, answers]``, each answer token's log-prob after the prompt.
         ``sequences``: score only these (the others are 0), e.g. one suite of several in the cache.
 
-        The model is put in eval mode without gradients and back as it was found (each module's own mode,
-        the random generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C. On
-        out-of-memory the memory budget is halved and the evaluation retried, down to a floor
-        (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller
-        budget. Sequences that come out NaN or inf are scored again on rows of their own, so that
-        one diverged sequence does not spread to the others of its row. On a CPU the memory the
+        The model is put in eval mode without gradients and back as it was found (each module's own mode, the random
+        generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C. On out-of-memory the memory
+        budget is halved and the evaluation retried, down to a floor (``memory_budget.MIN_MEMORY_BUDGET``), then
+        re-raised; later evaluations keep the smaller budget. Sequences that come out NaN or inf are scored again on rows
+        of their own, so that one diverged sequence does not spread to the others of its row. On a CPU the memory the
         evaluation freed is handed back to the system at its end (``memory_budget.release_freed_memory``).
 
         Returns:
@@ -218,6 +223,7 @@ class Scorer:
             self._layouts.clear()  # plans made for another budget
         self.memory_budget = budget
         self.oom_retries += retrying
+        self.call_budget = None if retrying else self.call_budget  # after out-of-memory: calls sized by the budget
 
     def _attempt(self, sequences: range | list[int] | None) -> torch.Tensor:
         if self.method is not None and self.method.head == "tiled" and self._head_weight() is None:
@@ -253,9 +259,8 @@ class Scorer:
     def token_logprobs(self) -> list[list[float]]:
         """Every scored token's log-prob from the latest ``score()`` (with ``keep_token_logprobs``), per sentence in cache order.
 
-        Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in
-        token order; they are the cells the sentence's log-prob is summed from, so Python's
-        ``sum()`` of a sentence's list equals ``score()[s]`` exactly.
+        Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in token order; they are
+        the cells the sentence's log-prob is summed from, so Python's ``sum()`` of a sentence's list equals ``score()[s]``.
 
         Raises:
             RuntimeError: nothing scored yet, the scorer was made without ``keep_token_logprobs``, or the
@@ -281,7 +286,8 @@ class Scorer:
 
     def _positions_per_forward(self, head: str) -> int:
         vocab = self._vocab_size() if head == "full_logits" else None  # the model's logits at every position
-        return positions_per_forward(self.memory_budget, self.lm.config, self._dtype(), self.row_length, vocab)
+        budget = self.call_budget or self.memory_budget  # a forward call's, at least the evaluation's
+        return positions_per_forward(budget, self.lm.config, self._dtype(), self.row_length, vocab)
 
     @property
     def head_tile(self) -> tuple[int, int]:
@@ -330,17 +336,18 @@ class Scorer:
         """The log-prob of every scored token (sentences) or answer (prompts), one cell each, written once
         (zeros where nothing is read): sequence ``s``'s cells start at ``self.cells.starts[s]``, in token (or answer) order.
 
-        Across processes (``split``, default: all sequences) the batches are dealt out and the cells
-        added up (each cell comes from one process, zeros from the others: exact); otherwise (the method
-        check's sample) every process runs them all. A filler batch only keeps a sharded model's forward
-        calls in step. Each batch is built when it is read and freed before the next. With ``spans``
+        Across processes (``split``, default: all sequences) the batches are dealt out and the cells added up (each
+        cell comes from one process, zeros from the others: exact); otherwise (the method check's sample) every process
+        runs them all. A filler batch only keeps a sharded model's forward calls in step. Each batch is built when it is
+        read and freed before the next; the kept plan's (``keep_layout``) may be CUDA graphs' replays. With ``spans``
         (``scored_spans.SpanReader``) their sequences' context tokens are not read, and their greedy flags are kept.
         """
         cells = self.cells.empty()
         layout = self._layout(method, sequences, keep=keep_layout)
         split = (sequences is None if split is None else split) and not self.tensor_parallel
-        for batch, is_filler in distributed.shard(layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self._batch_logprobs(batch, method.head, None if is_filler else spans)
+        graphs = keep_layout and self.graphs.batches(layout, (method, self.head_method), self.head.choosing, spans)
+        for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=self.sharded):
+            logprobs = self.graphs.logprobs(batch, self, method.head, None if is_filler else spans)
             if not is_filler:
                 self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
             del batch, logprobs  # before the next batch is built: one batch's tensors at a time
@@ -352,18 +359,10 @@ class Scorer:
         return cells
 
     def _rescore_non_finite(self, cells: torch.Tensor, head: str, spans=None) -> torch.Tensor:
-        """Score again, one sequence a row, the sequences with a NaN or inf log-prob.
-
-        A NaN in one sequence of a packed or tree row spreads to the row's other sequences (masked
-        attention weights are zero, but zero times NaN is NaN), so only a row of its own tells
-        which sequences are really non-finite.
-        """
-        if torch.isfinite(cells).all():
-            return cells
-        owners = self.cells.owners()
-        bad = owners[~torch.isfinite(cells)].unique().tolist()
-        theirs = torch.isin(owners, torch.tensor(bad, device=owners.device))
-        cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad, spans=spans)[theirs]
+        """Score again, one sequence a row, the sequences with a NaN or inf log-prob (``Cells.non_finite`` says why)."""
+        bad, theirs = self.cells.non_finite(cells)
+        if bad:
+            cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad, spans=spans)[theirs]
         return cells
 
     def _batch_logprobs(self, batch: Batch, head: str, spans=None) -> torch.Tensor:
@@ -395,7 +394,7 @@ class Scorer:
         return head_choice.method_logprobs(self.lm, method, hidden, contexts, targets, self.head_tile, self.memory_budget)
 
     def _model_output(self, batch: Batch, head: str, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return model_output(self._forward, self.lm, batch, head, position_ids)
+        return model_output(self.compiled(self._forward), self.lm, batch, head, position_ids, self.compiled(self.lm.base_model))
 
     def _forward_reads_positions(self, method: ScoringMethod, sample: list[int]) -> bool:
         batch = self._layout(method, sample).batches[0]

@@ -118,6 +118,15 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     row_length: int | None = None
     """Positions per row of the log-prob protocol's forward calls; None: the engine's default (256)."""
 
+    cuda_graphs: bool = True
+    """On a CUDA device, replay the plan's forward calls as CUDA graphs from the evaluation after the method check on
+    (the same numbers, bit for bit, without launching each kernel from Python); where they cannot hold (FSDP, ZeRO-3,
+    a device map across devices, offloaded weights) scoring runs as without them, the reason logged once. False: never."""
+
+    compile: bool = False
+    """``torch.compile`` the scoring forward for the plan's fixed shapes (not the model training runs): about a minute
+    to compile on a GPU, so for long runs only (see the long-runs guide)."""
+
     log_prefix: str = "tatblimp"
     """Prefix of every logged key; in wandb it is the section name."""
 
@@ -200,6 +209,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     def __post_init__(self):
         self._every = callback_options.check_eval_steps(self.eval_steps)
         callback_options.check_alert_evaluations(self.alert_evaluations)
+        callback_options.check_speed_options(self.cuda_graphs, self.compile)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         if self.report_file is not None and self.history_file is None:

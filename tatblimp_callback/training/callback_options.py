@@ -63,6 +63,17 @@ def planned_evaluations(max_steps, every: int, start: bool, end: bool, also_ever
     return count
 
 
+def check_speed_options(cuda_graphs, compile) -> None:
+    """``cuda_graphs`` and ``compile``: True or False (``engine/cuda_graphs.py``, ``engine/compiled_forward.py``).
+
+    Raises:
+        ValueError: anything else, naming the option.
+    """
+    for name, value in (("cuda_graphs", cuda_graphs), ("compile", compile)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def under_output_dir(path: str | os.PathLike | None, output_dir: str | os.PathLike | None) -> Path | None:
     """``path`` taken relative to ``output_dir`` (an absolute ``path`` stays; without ``output_dir``: as given)."""
     if path is None:

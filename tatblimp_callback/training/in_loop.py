@@ -173,6 +173,8 @@ class InLoopMonitor:
                     truncate=s.truncate,
                     head_method=s.head_method,
                     row_length=s.row_length,
+                    cuda_graphs=s.cuda_graphs,
+                    compile=s.compile,
                     cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
                     suites=s.suites,
                     spans=spans,

@@ -114,6 +114,15 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     row_length: int | None = None
     """Positions per row of the log-prob protocol's forward calls; None: the engine's default (256)."""
 
+    cuda_graphs: bool = True
+    """On a CUDA device, replay the plan's forward calls as CUDA graphs from the evaluation after the method check on
+    (the same numbers, bit for bit, without launching each kernel from Python); where they cannot hold (FSDP, ZeRO-3,
+    a device map across devices, offloaded weights) scoring runs as without them, the reason logged once. False: never."""
+
+    compile: bool = False
+    """``torch.compile`` the scoring forward for the plan's fixed shapes (not the model training runs): about a minute
+    to compile on a GPU, so for long runs only (see the long-runs guide)."""
+
     log_prefix: str = "tatblimp"
     """Prefix of every logged key."""
 
@@ -171,6 +180,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
         callback_options.check_alert_evaluations(self.alert_evaluations)
+        callback_options.check_speed_options(self.cuda_graphs, self.compile)
         self._monitor = InLoopMonitor(self)
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None
