@@ -1,19 +1,18 @@
 """The scoring engine: exact, memory-bounded log-probabilities of every cached sequence, for both protocols.
 
-The scorer runs the model's body once per batch of rows (prefix trees, so that sequences which
-start alike share those positions), keeps the hidden states of the positions it reads, and turns
-them into log-probs through the LM head tile by tile (``tiled_head``). Each log-prob lands in its
-own cell (one per scored token, or per answer), which are then read out:
+The scorer runs the model's body once per batch of rows (prefix trees, so that sequences which start alike
+share those positions), keeps the hidden states of the positions it reads, and turns them into log-probs through
+the LM head tile by tile (``tiled_head``). Each log-prob lands in its own cell (one per scored token, or per
+answer), which are then read out:
 
-- sentences (the log-prob protocol): every next token is read, and a sentence's log-prob is the
-  sum of its cells, added in a fixed order (so ties, and "the same numbers as one process", hold
-  on any device);
+- sentences (the log-prob protocol): every next token is read, and a sentence's log-prob is the sum of its
+  cells, added in a fixed order (so ties, and "the same numbers as one process", hold on any device);
 - prompts (forced choice): only the last position is read, for each answer token's log-prob.
 
-Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers
-equal a plain one-sequence-at-a-time forward of the whole model on a sample, and checks it again
-once the weights have moved. One memory budget, one out-of-memory retry, one re-scoring of
-non-finite sequences and one distributed lockstep serve both protocols.
+Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers equal a
+plain one-sequence-at-a-time forward of the whole model on a sample (below float32: or are as close to its
+float32 truth, ``precision``), and checks it again once the weights have moved. One memory budget, one
+out-of-memory retry, one re-scoring of non-finite sequences and one distributed lockstep serve both protocols.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from .model_checks import (
 )
 from .model_state import scoring_mode
 from .packing import Batch, Layout, TokenSequences, build_layout
+from .precision import computing_in, float32_truth, scoring_precision, weights_dtype
 from .scored_spans import SpanReader
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .tiled_head import head_tile, plain_head_weight
@@ -63,31 +63,31 @@ PLAN_SHARE = 4  # a kept layout's prepared batches (its plan) may hold up to a q
 class Scorer:
     """Scores every sequence of a cache with one model; reusable across evaluations.
 
-    Under ``torch.distributed`` every process must call ``score``: each scores a token-balanced
-    share of the batches and all get every sequence's score (see ``distributed``). A model
-    sharded by FSDP or DeepSpeed ZeRO-3 is scored through its own forward, in lockstep.
+    Under ``torch.distributed`` every process must call ``score``: each scores a token-balanced share of the
+    batches and all get every sequence's score (see ``distributed``). A model sharded by FSDP or DeepSpeed
+    ZeRO-3 is scored through its own forward, in lockstep.
 
     Args:
-        model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, ``torch.compile``
-            or PEFT.
+        model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, ``torch.compile`` or PEFT.
         cache: the tokenized sentences (or forced-choice prompts), on the model's device.
-        memory_budget: bytes of extra memory one evaluation may use for activations and logits;
-            None sets it from free device memory (a quarter of it on a GPU, 512 MiB on a CPU),
-            and never above a tenth of the float32 logits of all the cached tokens.
+        memory_budget: bytes of extra memory one evaluation may use for activations and logits; None sets it
+            from free device memory (a quarter of it on a GPU, 512 MiB on a CPU), and never above a tenth of the
+            float32 logits of all the cached tokens.
         row_length: positions per row.
         head_method: force how the LM head gives log-probs (``"tiles"`` or ``"chunks:N"``, see ``head_choice``),
             never timed; None times the candidates at the first evaluation and keeps the fastest exact one.
         method: force a ``ScoringMethod`` (or a layout: "tree", "packed", "padded"), never checked;
             None chooses the fastest that matches a plain forward, and checks it again later.
-        truncate: cut sentences longer than the model's context instead of raising; the number
-            cut is reported.
-        keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs``
-            (one float64 a scored token, on the cache's device, until the next ``score()``); off,
-            nothing is held between evaluations.
+        truncate: cut sentences longer than the model's context instead of raising; the number cut is reported.
+        keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs`` (one float64 a
+            scored token, on the cache's device, until the next ``score()``); off, nothing is held between evaluations.
+        precision: what the forwards compute in (``precision``): "auto" (the autocast dtype where the model is
+            trained under autocast, else its weights' dtype), "float32", "bfloat16", "float16", or a dtype.
 
     Raises:
-        ScoringError: the model has weights on the meta device, its embedding is smaller than the
-            tokenizer's ids, or a sequence is longer than its context (without ``truncate``).
+        ScoringError: the model has weights on the meta device, its embedding is smaller than the tokenizer's
+            ids, or a sequence is longer than its context (without ``truncate``).
+        ValueError: an unknown ``precision``, or one the device cannot compute in.
 
     Example:
         The engine under ``Evaluator``, for per-sentence log-probs:
@@ -109,6 +109,7 @@ class Scorer:
         truncate: bool = False,
         keep_token_logprobs: bool = False,
         head_method: str | HeadMethod | None = None,
+        precision: str | torch.dtype | None = None,
     ):
         self.model = model
         self.lm = unwrap_model(model)
@@ -117,11 +118,11 @@ class Scorer:
         self.sharded = distributed.is_sharded(model)
         # Tensor parallel: every process runs every row, each holding a slice of every layer.
         self.tensor_parallel = distributed.is_tensor_parallel(model)
-        # Accelerate wraps a mixed-precision model's forward in autocast; scoring runs the weights'
-        # own dtype (fp32 master weights stay exact), and the body and head below do too.
+        # Not accelerate's autocast wrapper: ``precision`` decides what scoring computes in (``computing_in``).
         self._forward = model if self.sharded else getattr(self.lm, "_original_forward", self.lm)
         check_causal_lm(self.lm)
         check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
+        self.precision = scoring_precision(model, self.lm, precision, cache.device)
         self.cache = fit_to_context(self.lm, cache, truncate)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
@@ -140,11 +141,12 @@ class Scorer:
             reads_positions=self._forward_reads_positions,
             tokens=torch.tensor([self.cache.lengths[s] - 1 for s in sample]),
             rtol=lambda: relative_tolerance(self._dtype(), self.cache.device),
+            truth=float32_truth(self.lm, self._forward, self.cache, self.precision, self.sharded),
         )
         self._layouts: dict[tuple, Layout] = {}
         self._sequences: TokenSequences | None = None  # the cache's token ids on the host
         self.oom_retries = 0
-        self._built_dtype = self._dtype()
+        self._built_dtype = weights_dtype(self.lm)
         self.keep_token_logprobs = keep_token_logprobs
         self.head = HeadChoice(forced=None if head_method is None else HeadMethod.parse(head_method))
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
@@ -189,13 +191,13 @@ class Scorer:
         (``cache.answer_ids``): ``[prompts, answers]``, each answer token's log-prob after the prompt.
         ``sequences``: score only these (the others are 0), e.g. one suite of several in the cache.
 
-        The model is put in eval mode without gradients and back as it was found (each module's own mode,
-        the random generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C. On
-        out-of-memory the memory budget is halved and the evaluation retried, down to a floor
-        (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller
-        budget. Sequences that come out NaN or inf are scored again on rows of their own, so that
-        one diverged sequence does not spread to the others of its row. On a CPU the memory the
-        evaluation freed is handed back to the system at its end (``memory_budget.release_freed_memory``).
+        The model is put in eval mode without gradients and back as it was found (each module's own mode, the
+        random generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C, and computes
+        in ``precision``. On out-of-memory the memory budget is halved and the evaluation retried, down to a
+        floor (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller budget.
+        Sequences that come out NaN or inf are scored again on rows of their own, so that one diverged sequence
+        does not spread to the others of its row. On a CPU the memory the evaluation freed is handed back to
+        the system at its end (``memory_budget.release_freed_memory``).
 
         Returns:
             Float64 log-probs on the CPU: ``[sentences]``, or ``[prompts, answers]`` for forced-choice prompts.
@@ -206,7 +208,8 @@ class Scorer:
             PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
         try:
-            with scoring_mode(self.model), distributed.shared_failures():
+            in_precision = computing_in(self.lm, self.precision, self.cache.device)  # autocast, or weights upcast
+            with scoring_mode(self.model), in_precision, distributed.shared_failures():
                 return retry_out_of_memory(
                     lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
                 )
@@ -418,4 +421,4 @@ class Scorer:
         return weight.shape[0] if weight is not None else self.lm.config.vocab_size
 
     def _dtype(self) -> torch.dtype:
-        return next(self.lm.parameters()).dtype
+        return self.precision  # what the forwards compute in
