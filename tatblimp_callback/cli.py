@@ -118,6 +118,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         truncate=args.truncate,
         head_method=getattr(args, "head_method", None),
         row_length=getattr(args, "row_length", None),
+        precision=getattr(args, "precision", None) or "auto",
         suites=suites,
         include_tokens=getattr(args, "include_tokens", False),
         **backend_options(args),

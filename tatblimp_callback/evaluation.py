@@ -13,6 +13,7 @@ import torch
 
 from .engine import distributed
 from .engine.model_checks import input_device, weights_label
+from .engine.precision import check_precision, precision_name
 from .engine.scored_spans import Spans
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
 from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine, vllm_scorer_for
@@ -87,9 +88,13 @@ class Evaluator:
         spans: token sequences scored on their last tokens only, in the same pass (``scored_spans.Spans``:
             lm-evaluation-harness's requests, ``harness.in_training``); after each call ``span_scores`` holds
             each one's ``(log-prob, is_greedy)``.
+        precision: what the model computes in while scored (``engine/precision.py``): "auto" (the default: the
+            autocast dtype where it trains under autocast, as the Trainer's ``bf16=True`` does, else its weights'
+            dtype), "float32", "bfloat16" or "float16"; recorded as ``run_info["precision"]``.
 
     Raises:
-        ValueError: neither ``tokenizer`` nor ``cache`` is given, or ``spans`` with a prebuilt cache or vLLM.
+        ValueError: neither ``tokenizer`` nor ``cache`` is given, ``spans`` with a prebuilt cache or vLLM, or an
+            unknown ``precision``.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class Evaluator:
         backend: str = "transformers",
         vllm_options: VllmOptions | None = None,
         spans: Spans | None = None,
+        precision: str = "auto",
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
@@ -138,6 +144,7 @@ class Evaluator:
         self.vllm_options = vllm_options
         self._scorer: Scorer | VllmScorer | None = None
         self.spans = spans
+        self.precision = check_precision(precision)
         self._spans_start = 0  # the first span's index in the fused cache
         self.span_scores: list[tuple[float, bool]] = []  # the latest call's (log-prob, is_greedy) of each span
 
@@ -173,6 +180,7 @@ class Evaluator:
             return replace(fused, span_tokens=tuple(self.spans.scored) if self.spans else ()).to(device)
 
         options = dict(memory_budget=self.memory_budget, truncate=self.truncate, method=self.method, head_method=self.head_method)
+        options["precision"] = check_precision(self.precision)
         if self.row_length is not None:
             options["row_length"] = self.row_length
         scorer = scorer_for(self, model, build, **options)
@@ -330,6 +338,7 @@ def timed_score(
         "method_replacements": scorer.method_replacements,
         "weights": weights,
         **provenance(scorer.model),
+        "precision": precision_name(scorer.precision),  # what the forwards computed in (``dtype``: the weights')
     }
 
 
@@ -350,7 +359,7 @@ def evaluate(
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
             ``memory_budget``, ``truncate``, ``method``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``,
-            ``backend``, ``vllm_options``).
+            ``backend``, ``vllm_options``, ``precision``).
 
     Returns:
         The metrics overall, per phenomenon and subtype, and per pair.

@@ -22,6 +22,7 @@ _TRANSFORMERS_ONLY = {
     "memory_budget_mb": "--memory-budget-mb",
     "head_method": "--head-method",
     "row_length": "--row-length",
+    "precision": "--precision",
 }
 _VLLM_ONLY = {
     "tensor_parallel_size": "--tensor-parallel-size",

@@ -71,6 +71,19 @@ def training_autocast_dtype(model: torch.nn.Module, trainer_args=None) -> torch.
     return None
 
 
+def mixed_precision_dtype(setting) -> torch.dtype | None:
+    """The autocast dtype a mixed-precision setting names (Lightning's ``"bf16-mixed"``, ``"16-mixed"``; accelerate's
+    ``"bf16"``, ``"fp16"``), or None: no autocast (``"32-true"``, ``"bf16-true"``, whose weights are bf16 themselves)."""
+    return {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "16-mixed": torch.float16, "fp16": torch.float16}.get(
+        str(setting)
+    )
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> "bfloat16", as results record it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _accelerate_autocast_dtype(module) -> torch.dtype | None:
     """The dtype of the autocast accelerate wrapped ``module.forward`` in (``prepare_model`` with mixed precision)."""
     if module is None or not hasattr(module, "_original_forward"):

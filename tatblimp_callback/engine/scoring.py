@@ -109,7 +109,7 @@ class Scorer:
         truncate: bool = False,
         keep_token_logprobs: bool = False,
         head_method: str | HeadMethod | None = None,
-        precision: str | torch.dtype | None = None,
+        precision: str | torch.dtype | None = "auto",
     ):
         self.model = model
         self.lm = unwrap_model(model)

@@ -279,6 +279,8 @@ class Results:
         """A plain-text table like the benchmark card's: each phenomenon, then overall, with 95% intervals."""
         width = max(len(name) for name in [*self.phenomena, "overall"])
         dtype = f"  dtype: {self.run_info['dtype']}" if self.run_info.get("dtype") else ""
+        if self.run_info.get("precision") not in (None, self.run_info.get("dtype")):  # autocast, or weights upcast
+            dtype += f"  precision: {self.run_info['precision']}"
         if self.run_info.get("backend", "transformers") != "transformers":  # the default backend goes unsaid
             dtype = f"  backend: {self.run_info['backend']}{dtype}"
         lines = [f"{self.benchmark_release}{dtype}  tokenizer: {self.tokenizer}"]

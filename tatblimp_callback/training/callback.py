@@ -30,6 +30,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..engine.precision import check_precision, training_autocast_dtype
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
@@ -118,6 +119,10 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     row_length: int | None = None
     """Positions per row of the log-prob protocol's forward calls; None: the engine's default (256)."""
 
+    precision: str = "auto"
+    """What scoring computes in: "auto" (the precision training computes in: bf16 under ``bf16=True``, fp16 under
+    ``fp16=True``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""
+
     log_prefix: str = "tatblimp"
     """Prefix of every logged key; in wandb it is the section name."""
 
@@ -200,6 +205,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     def __post_init__(self):
         self._every = callback_options.check_eval_steps(self.eval_steps)
         callback_options.check_alert_evaluations(self.alert_evaluations)
+        check_precision(self.precision)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         if self.report_file is not None and self.history_file is None:
@@ -277,7 +283,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        self._monitor.prepare(tokenizer, model, getattr(args, "output_dir", None))
+        self._monitor.prepare(tokenizer, model, getattr(args, "output_dir", None), training_autocast_dtype(model, args))
 
     def _planned_evaluations(self, args, max_steps) -> int | None:
         """The evaluations this run is scheduled to score (``callback_options.planned_evaluations``)."""
