@@ -40,6 +40,10 @@ def test_a_bf16_mixed_precision_trainer_run_is_scored_in_bf16_by_default_and_say
     assert abs(scored - plain) > 1e-3
     lines = history(tmp_path)
     assert [(line["precision"], line["dtype"]) for line in lines] == [("bfloat16", "float32")] * 2
+    # Below float32 the decisions are float32's: the pairs within rounding were scored again (exact_decisions).
+    assert all(
+        line["exact_decisions"]["precision"] == "bfloat16" and line["exact_decisions"]["bound_per_token"] > 0 for line in lines
+    )
     assert "dtype: float32  precision: bfloat16" in callback.last_results.format_table().splitlines()[0]
 
 
@@ -49,6 +53,7 @@ def test_precision_float32_scores_the_float32_master_weights_exactly(bpe_tokeniz
     assert [p.good_logprob for p in callback.last_results.pairs] == [p.good_logprob for p in fp32.pairs]
     assert fp32.run_info["precision"] == "float32"
     assert [line["precision"] for line in history(tmp_path)] == ["float32", "float32"]
+    assert not any("exact_decisions" in line for line in history(tmp_path))
 
 
 def test_bf16_weights_scored_in_float32_are_upcast_for_the_forward_only(bpe_tokenizer, small_data):

@@ -129,6 +129,19 @@ class MethodCheck:
         self.rounding = self._errors.get(method)
         return method
 
+    def measured_rounding(self) -> torch.Tensor | None:
+        """The method's per-token errors against the float32 truth on the sample, as last measured (at the check, or
+        now where the method was given); None without a truth (in float32, or a sharded model). Call it in the
+        scoring precision."""
+        if self.truth is None or self.method is None:
+            return None
+        if self.rounding is None:
+            truth = self.truth(self.sample)
+            values = self.readout(self.method, self.sample).to(truth.dtype)
+            tokens = self.tokens.to(truth.device, truth.dtype)
+            self.rounding = per_token_error(values, truth, tokens if truth.dim() == 1 else torch.ones_like(truth)).flatten()
+        return self.rounding
+
     def _reference(self) -> torch.Tensor:
         """The sample's plain forward in the model's precision; below float32 its float32 truth is taken too."""
         self._errors = {}

@@ -123,6 +123,10 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     """What scoring computes in: "auto" (the precision training computes in: bf16 under ``bf16=True``, fp16 under
     ``fp16=True``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""
 
+    exact_decisions: bool = True
+    """Below float32, score the pairs whose margin is within rounding again in float32, so that every decision (and
+    so every curve point) is float32's; the rescored pairs are recorded (``exact_decisions`` in the history line)."""
+
     log_prefix: str = "tatblimp"
     """Prefix of every logged key; in wandb it is the section name."""
 

@@ -175,6 +175,7 @@ class InLoopMonitor:
                     truncate=s.truncate,
                     head_method=s.head_method,
                     row_length=s.row_length,
+                    exact_decisions=getattr(s, "exact_decisions", True),
                     cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
                     suites=s.suites,
                     spans=spans,

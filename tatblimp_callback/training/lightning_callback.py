@@ -119,6 +119,9 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     """What scoring computes in: "auto" (the Trainer's: bf16 under ``precision="bf16-mixed"``, fp16 under
     ``"16-mixed"``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""
 
+    exact_decisions: bool = True
+    """Below float32, decide the pairs within rounding by a float32 rescoring, as ``TatBLiMPCallback.exact_decisions``."""
+
     log_prefix: str = "tatblimp"
     """Prefix of every logged key."""
 
