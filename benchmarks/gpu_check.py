@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm", action="store_true", help="4.: the same weights on backend='vllm', and lm-eval's vLLM model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="with --vllm: vLLM's share of the GPU")
     parser.add_argument("--skip-masks", action="store_true", help="no host time, mask and FlexAttention comparisons")
+    parser.add_argument("--skip-precision", action="store_true", help="no bench_precision.py part (issue #54)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -258,6 +259,12 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
         report["vllm"] = vllm_part(folder, tokenizer, benchmark, ours, args)
         save(report, args.json)
+    if not args.skip_precision:  # 5. precision: time, rescored share and flips vs float32 (bench_precision.py, issue #54)
+        from bench_precision import main as bench_precision
+
+        report["precision"] = bench_precision(
+            ["--device", args.device, "--model-shape", args.model_shape, "--data", str(args.data)]
+        )
     report["wall_seconds"] = time.perf_counter() - started
     save(report, args.json)
     print(json.dumps(report, indent=2))
