@@ -54,7 +54,10 @@ def test_every_decision_equals_a_float32_evaluation_of_the_same_weights(
 ):
     model = random_bf16_llama(len(bpe_tokenizer), hidden, layers, init, noise)
     float32 = evaluate(copy.deepcopy(model).float(), bpe_tokenizer, DATA)  # the same bf16 weights, upcast
+    before = {name: value.clone() for name, value in model.state_dict().items()}
     exact = evaluate(model, bpe_tokenizer, DATA)
+    after = model.state_dict()  # the weights as they were, bit for bit, and in bf16
+    assert all(after[name].dtype == torch.bfloat16 and torch.equal(after[name], value) for name, value in before.items())
     fast = evaluate(model, bpe_tokenizer, DATA, exact_decisions=False)
     assert flips(exact, float32) == 0
     assert (exact.acc, exact.acc_norm) == (float32.acc, float32.acc_norm)

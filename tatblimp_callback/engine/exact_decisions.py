@@ -6,8 +6,8 @@ check already has the sample in both precisions (``method_check.MethodCheck.roun
 error against the float32 truth of the same weights, per scored token, for this model at this step (measured
 again whenever the method is re-checked). A pair is close when its margin is within ``SAFETY`` x the largest of
 those per-token errors x the pair's scored tokens (per byte for acc_norm: each sentence's tokens over its bytes);
-close pairs are scored again in float32 (the weights upcast a module at a time, the model's own forward and
-logits, ``precision.computing_in``) and their decisions replace the low-precision ones. The per-sentence
+close pairs are scored again in float32 by the method in use (the weights upcast a module at a time, the LM head's
+whole for the pass, ``precision.computing_in``) and their decisions replace the low-precision ones. The per-sentence
 log-probs stay the fast ones; the rescored pairs are named.
 
 Under ``torch.distributed`` every process has the same log-probs (summed over processes) and takes the union of
@@ -24,7 +24,6 @@ import torch
 from . import distributed
 from .model_state import scoring_mode
 from .precision import computing_in, precision_name
-from .scoring_method import ScoringMethod
 
 SAFETY = 2.0  # times the largest per-token error of the sample: sentences beyond it, and a margin's two errors adding up
 
@@ -84,9 +83,10 @@ def decide_exactly(scorer, logprobs: torch.Tensor, sequences: Sequence[int] | No
     decided = logprobs.clone()
     if pairs:
         rescore = sorted(s for p in pairs for s in (2 * p, 2 * p + 1))
-        method = ScoringMethod(scorer.method.layout, "full_logits")  # the model's own head, upcast with the rest
-        with scoring_mode(scorer.model), computing_in(scorer.lm, torch.float32, device):
-            decided[rescore] = scorer.check.readout(method, rescore).double().cpu()
+        # The method in use; a tiled head reads its weight itself: upcast whole for the pass (one matrix).
+        head = scorer.lm.get_output_embeddings() if scorer.method.head == "tiled" else None
+        with scoring_mode(scorer.model), computing_in(scorer.lm, torch.float32, device, head=head):
+            decided[rescore] = scorer.check.readout(scorer.method, rescore).double().cpu()
     record = {
         "precision": precision_name(scorer.precision),
         "bound_per_token": bound,

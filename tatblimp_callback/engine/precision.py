@@ -143,34 +143,56 @@ def check_runs(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device) ->
 
 
 @contextmanager
-def computing_in(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+def computing_in(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device, head=None) -> Iterator[None]:
     """What runs inside computes ``lm`` in ``dtype``: under autocast below the weights' dtype, with the weights
-    upcast a module at a time for float32 above it, as the weights are otherwise (autocast of the caller off)."""
+    upcast a module at a time for float32 above it, as the weights are otherwise (autocast of the caller off).
+
+    ``head``: the LM head module, upcast whole for all of the context instead (its weight read directly by the
+    tiled head, ``tiled_head``, outside its own call), left without hooks so that it stays a plain linear layer."""
     weights = weights_dtype(lm)
     with ExitStack() as stack:
         if dtype == weights or (dtype == torch.float32 and weights == torch.float64):
             stack.enter_context(torch.autocast(device.type, enabled=False))
         elif dtype == torch.float32:
             stack.enter_context(torch.autocast(device.type, enabled=False))
-            stack.enter_context(upcast_weights(lm))
+            if head is not None:
+                stack.enter_context(_upcast_module(head, dtype))
+            stack.enter_context(upcast_weights(lm, skip=head))
         else:
             stack.enter_context(torch.autocast(device.type, dtype=dtype))
         yield
 
 
+def _upcast_tensors(module: torch.nn.Module, dtype: torch.dtype) -> list:
+    """``module``'s own low-precision weights and buffers made ``dtype`` in place; [(tensor, its original data)]."""
+    saved = []
+    for tensors in (module._parameters, module._buffers):
+        for tensor in tensors.values():
+            if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype and tensor.element_size() < 4:
+                saved.append((tensor, tensor.data))
+                tensor.data = tensor.data.to(dtype)
+    return saved
+
+
 @contextmanager
-def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32) -> Iterator[None]:
+def _upcast_module(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    saved = _upcast_tensors(module, dtype)
+    try:
+        yield
+    finally:
+        for tensor, data in saved:
+            tensor.data = data
+
+
+@contextmanager
+def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip=None) -> Iterator[None]:
     """Every module's own low-precision weights and buffers are ``dtype`` while that module runs, and as they were
-    after: one module's upcast copy exists at a time. The originals are put back, bit for bit (on an exception too)."""
+    after: one module's upcast copy exists at a time. The originals are put back, bit for bit (on an exception too).
+    ``skip``: a module left alone (no hooks)."""
     handles = []
 
     def before(module, args):
-        saved = []
-        for tensors in (module._parameters, module._buffers):
-            for tensor in tensors.values():
-                if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype and tensor.element_size() < 4:
-                    saved.append((tensor, tensor.data))
-                    tensor.data = tensor.data.to(dtype)
+        saved = _upcast_tensors(module, dtype)
         if saved:
             module.__dict__.setdefault("_tatblimp_upcast", []).append(saved)
 
@@ -183,7 +205,7 @@ def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32) -> I
             for tensor, data in stack.pop():
                 tensor.data = data
 
-    modules = [m for m in lm.modules() if any(True for _ in m.parameters(recurse=False)) or m._buffers]
+    modules = [m for m in lm.modules() if m is not skip and (any(True for _ in m.parameters(recurse=False)) or m._buffers)]
     try:
         for module in modules:
             handles.append(module.register_forward_pre_hook(before))

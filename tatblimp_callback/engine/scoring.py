@@ -123,6 +123,7 @@ class Scorer:
         check_causal_lm(self.lm)
         check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
         self.precision = scoring_precision(model, self.lm, precision, cache.device)
+        self._built_dtype = weights_dtype(self.lm)
         self.cache = fit_to_context(self.lm, cache, truncate)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
@@ -146,7 +147,6 @@ class Scorer:
         self._layouts: dict[tuple, Layout] = {}
         self._sequences: TokenSequences | None = None  # the cache's token ids on the host
         self.oom_retries = 0
-        self._built_dtype = weights_dtype(self.lm)
         self.keep_token_logprobs = keep_token_logprobs
         self.head = HeadChoice(forced=None if head_method is None else HeadMethod.parse(head_method))
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
@@ -412,8 +412,8 @@ class Scorer:
         return ["tiled", "full_logits"] if self._head_weight() is not None else ["full_logits"]
 
     def _head_weight(self) -> torch.Tensor | None:
-        if self.lm.base_model is self.lm or self.sharded:
-            return None  # a sharded head's weight is a shard: only the model's own forward can use it
+        if self.lm.base_model is self.lm or self.sharded or self.precision.itemsize > self._built_dtype.itemsize:
+            return None  # a sharded head's weight is a shard, an upcast one is upcast in its own call: the model's forward
         return plain_head_weight(self.lm)
 
     def _vocab_size(self) -> int:
