@@ -81,8 +81,7 @@ class Scorer:
         truncate: cut sentences longer than the model's context instead of raising; the number cut is reported.
         keep_token_logprobs: keep the latest evaluation's token log-probs for ``token_logprobs`` (one float64 a
             scored token, on the cache's device, until the next ``score()``); off, nothing is held between evaluations.
-        precision: what the forwards compute in (``precision``): "auto" (the autocast dtype where the model is
-            trained under autocast, else its weights' dtype), "float32", "bfloat16", "float16", or a dtype.
+        precision: "auto" (the training's autocast dtype, else the weights'), "float32", "bfloat16" or "float16" (``precision``).
 
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the tokenizer's
@@ -157,8 +156,7 @@ class Scorer:
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
         self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
-        # The cache's spans (``cache.span_tokens``: lm-evaluation-harness's requests in the same pass), scored on
-        # their last tokens only, with greedy flags.
+        # The cache's spans (``cache.span_tokens``: lm-evaluation-harness's requests), scored on their last tokens only.
         spans = self.cache.span_tokens
         self.spans = SpanReader(self.cells, self.cache.num_sentences - len(spans), spans) if spans else None
 
@@ -256,9 +254,8 @@ class Scorer:
     def token_logprobs(self) -> list[list[float]]:
         """Every scored token's log-prob from the latest ``score()`` (with ``keep_token_logprobs``), per sentence in cache order.
 
-        Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in
-        token order; they are the cells the sentence's log-prob is summed from, so Python's
-        ``sum()`` of a sentence's list equals ``score()[s]`` exactly.
+        Sentence ``s`` has ``cache.lengths[s] - 1`` values (the prefix token is not scored), in token order; they are
+        the cells the sentence's log-prob is summed from, so Python's ``sum()`` of a list equals ``score()[s]`` exactly.
 
         Raises:
             RuntimeError: nothing scored yet, the scorer was made without ``keep_token_logprobs``, or the
