@@ -262,9 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_precision:  # 5. precision: time, rescored share and flips vs float32 (bench_precision.py, issue #54)
         from bench_precision import main as bench_precision
 
-        report["precision"] = bench_precision(
-            ["--device", args.device, "--model-shape", args.model_shape, "--data", str(args.data)]
-        )
+        options = ["--device", args.device, "--model-shape", args.model_shape, "--data", str(args.data)]
+        report["precision"] = bench_precision([*options, "--tokenizer", str(args.tokenizer)])
     report["wall_seconds"] = time.perf_counter() - started
     save(report, args.json)
     print(json.dumps(report, indent=2))
