@@ -121,3 +121,19 @@ def test_the_cli_scores_in_the_precision_asked_for_and_refuses_an_unknown_one(mo
     with pytest.raises(SystemExit):
         main([*command, "--precision", "bf16"])
     assert f"argument --precision: invalid choice: 'bf16' (choose from {CHOICES})" in capsys.readouterr().err
+
+
+def test_a_precision_the_device_cannot_compute_in_is_one_clear_error(bpe_tokenizer):
+    from tatblimp_callback.engine.precision import check_runs, mixed_precision_dtype
+
+    model = tiny_llama(len(bpe_tokenizer))
+    with pytest.raises(ValueError, match="precision='bfloat16' needs autocast, which meta lacks; choose 'auto' or 'float32'"):
+        check_runs(model, torch.bfloat16, torch.device("meta"))
+    check_runs(model, torch.float32, torch.device("meta"))  # the weights' own precision needs nothing
+    check_runs(model, torch.bfloat16, torch.device("cpu"))
+    assert [mixed_precision_dtype(s) for s in ("bf16-mixed", "16-mixed", "32-true", "bf16-true")] == [
+        torch.bfloat16,
+        torch.float16,
+        None,
+        None,
+    ]

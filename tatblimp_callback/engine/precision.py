@@ -16,7 +16,7 @@ one whose error is no larger than the plain forward's own (``within_plain_roundi
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 
@@ -152,9 +152,9 @@ def computing_in(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device, 
     weights = weights_dtype(lm)
     with ExitStack() as stack:
         if dtype == weights or (dtype == torch.float32 and weights == torch.float64):
-            stack.enter_context(torch.autocast(device.type, enabled=False))
+            stack.enter_context(_no_autocast(device))
         elif dtype == torch.float32:
-            stack.enter_context(torch.autocast(device.type, enabled=False))
+            stack.enter_context(_no_autocast(device))
             if head is not None:
                 stack.enter_context(_upcast_module(head, dtype))
             stack.enter_context(upcast_weights(lm, skip=head))
@@ -182,6 +182,12 @@ def _upcast_module(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None
     finally:
         for tensor, data in saved:
             tensor.data = data
+
+
+def _no_autocast(device: torch.device):
+    """The caller's autocast off, on a device that has autocast (elsewhere there is none to turn off)."""
+    available = torch.amp.autocast_mode.is_autocast_available(device.type)
+    return torch.autocast(device.type, enabled=False) if available else nullcontext()
 
 
 @contextmanager
