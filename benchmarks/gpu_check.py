@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-masks", action="store_true", help="no host time, mask and FlexAttention comparisons")
     parser.add_argument("--skip-speed", action="store_true", help="1b.: no eager / graphs / compiled rows")
     parser.add_argument("--speed-rows", default="eager,graphs,compiled,compiled_graphs", help="1b.: which rows")
+    parser.add_argument("--skip-precision", action="store_true", help="no bench_precision.py part (issue #54)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -275,6 +276,11 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
         report["vllm"] = vllm_part(folder, tokenizer, benchmark, ours, args)
         save(report, args.json)
+    if not args.skip_precision:  # 5. precision: time, rescored share and flips vs float32 (bench_precision.py, issue #54)
+        from bench_precision import main as bench_precision
+
+        options = ["--device", args.device, "--model-shape", args.model_shape, "--data", str(args.data)]
+        report["precision"] = bench_precision([*options, "--tokenizer", str(args.tokenizer)])
     report["wall_seconds"] = time.perf_counter() - started
     save(report, args.json)
     print(json.dumps(report, indent=2))

@@ -128,6 +128,7 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
         row_length=getattr(args, "row_length", None),
         cuda_graphs=not getattr(args, "no_cuda_graphs", False),
         compile=getattr(args, "compile", False),
+        precision=getattr(args, "precision", None) or "auto",
         suites=suites,
         include_tokens=getattr(args, "include_tokens", False),
         **backend_options(args),

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from .engine import distributed
+from .engine.exact_decisions import decide_exactly
 from .engine.model_checks import input_device, weights_label
+from .engine.precision import check_precision, precision_name
 from .engine.scored_spans import Spans
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
 from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine, vllm_scorer_for
@@ -91,9 +93,15 @@ class Evaluator:
         spans: token sequences scored on their last tokens only, in the same pass (``scored_spans.Spans``:
             lm-evaluation-harness's requests, ``harness.in_training``); after each call ``span_scores`` holds
             each one's ``(log-prob, is_greedy)``.
+        precision: what the model computes in while scored (``engine/precision.py``): "auto" (the default: the
+            autocast dtype where it trains under autocast, as the Trainer's ``bf16=True`` does, else its weights'
+            dtype), "float32", "bfloat16" or "float16"; recorded as ``run_info["precision"]``.
+        exact_decisions: below float32, score again in float32 the pairs whose margin is within rounding, and decide
+            them by that (``engine/exact_decisions.py``; ``run_info["exact_decisions"]``, ``pairs[i].rescored``).
 
     Raises:
-        ValueError: neither ``tokenizer`` nor ``cache`` is given, or ``spans`` with a prebuilt cache or vLLM.
+        ValueError: neither ``tokenizer`` nor ``cache`` is given, ``spans`` with a prebuilt cache or vLLM, or an
+            unknown ``precision``.
     """
 
     def __init__(
@@ -117,6 +125,8 @@ class Evaluator:
         backend: str = "transformers",
         vllm_options: VllmOptions | None = None,
         spans: Spans | None = None,
+        precision: str = "auto",
+        exact_decisions: bool = True,
     ):
         if tokenizer is None and cache is None:
             raise ValueError("Evaluator needs a tokenizer or a prebuilt cache")
@@ -145,6 +155,8 @@ class Evaluator:
         self.vllm_options = vllm_options
         self._scorer: Scorer | VllmScorer | None = None
         self.spans = spans
+        self.precision = check_precision(precision)
+        self.exact_decisions = exact_decisions
         self._spans_start = 0  # the first span's index in the fused cache
         self.span_scores: list[tuple[float, bool]] = []  # the latest call's (log-prob, is_greedy) of each span
 
@@ -180,6 +192,7 @@ class Evaluator:
             return replace(fused, span_tokens=tuple(self.spans.scored) if self.spans else ()).to(device)
 
         options = dict(memory_budget=self.memory_budget, truncate=self.truncate, method=self.method, head_method=self.head_method)
+        options["precision"] = check_precision(self.precision)
         if self.row_length is not None:
             options["row_length"] = self.row_length
         options.update(cuda_graphs=self.cuda_graphs, compile=self.compile)
@@ -230,7 +243,7 @@ class Evaluator:
         if not self._parts:  # a prebuilt cache: TatBLiMP alone
             logprobs, run_info = timed_score(scorer, weights=weights)
             run_info["cache_bytes"] = scorer.cache.nbytes
-            results = compute_results(scorer.cache, logprobs, run_info)
+            results = compute_results(scorer.cache, logprobs, run_info, self._decide_exactly(scorer, logprobs, run_info))
             if self.include_tokens:
                 results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
                 self._region_surprisal(results.pair_tokens, model, scorer.cache)
@@ -246,6 +259,7 @@ class Evaluator:
             chosen += range(self._spans_start, scorer.cache.num_sentences) if self.spans else []
         logprobs, run_info = timed_score(scorer, chosen, weights)
         run_info["cache_bytes"] = scorer.cache.nbytes
+        exact = self._decide_exactly(scorer, logprobs, run_info, chosen)
         if self.spans:
             span_logprobs = logprobs[self._spans_start :].tolist()
             self.span_scores = list(zip(span_logprobs, scorer.spans.greedy(), strict=True))
@@ -255,7 +269,8 @@ class Evaluator:
             cut = [s - start for s in scorer.cache.truncated if start <= s < end]
             # Token counts as scored: a sentence cut to the model's context counts its kept tokens.
             scored = replace(cache, truncated=cut, _host_lengths=scorer.cache.lengths[start:end])
-            part = compute_results(scored, logprobs[start:end], run_info)
+            rescored = exact and (exact[0][start:end], exact[1][start // 2 : end // 2])
+            part = compute_results(scored, logprobs[start:end], run_info, rescored)
             if name is None:
                 results = part
                 if self.include_tokens:  # TatBLiMP's own pairs: the first sentences of the fused cache
@@ -274,6 +289,14 @@ class Evaluator:
                 part.left_out = [dict(entry) for entry in self.suites[name].left_out]
                 results.suites[name] = part
         return results
+
+    def _decide_exactly(self, scorer, logprobs, run_info, sequences=None) -> tuple | None:
+        """``(log-probs, rescored pairs)`` to decide by (``exact_decisions.decide_exactly``), recorded in ``run_info``."""
+        exact = decide_exactly(scorer, logprobs, sequences) if self.exact_decisions and isinstance(scorer, Scorer) else None
+        if exact is None:
+            return None
+        run_info["exact_decisions"] = exact[2]
+        return exact[0], exact[1]
 
 
 def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:
@@ -332,6 +355,7 @@ def timed_score(
         "method_replacements": scorer.method_replacements,
         "weights": weights,
         **provenance(scorer.model),
+        "precision": precision_name(scorer.precision),  # what the forwards computed in (``dtype``: the weights')
     }
 
 
@@ -351,8 +375,8 @@ def evaluate(
         data: a ``Benchmark``, a JSONL path, or None for ``$TATBLIMP_DATA``, else the Hub dataset
             ``ilchats/TatBLiMP``.
         **options: keyword arguments of ``Evaluator`` (``prefix_token_id``, ``allow_modified``,
-            ``memory_budget``, ``truncate``, ``method``, ``cuda_graphs``, ``compile``, ``cache``, ``cache_path``, ``include_tokens``, ``suites``,
-            ``backend``, ``vllm_options``).
+            ``memory_budget``, ``truncate``, ``method``, ``cuda_graphs``, ``compile``, ``cache``, ``cache_path``,
+            ``include_tokens``, ``suites``, ``backend``, ``vllm_options``, ``precision``).
 
     Returns:
         The metrics overall, per phenomenon and subtype, and per pair.

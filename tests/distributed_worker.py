@@ -98,6 +98,12 @@ def remove_counter(model):
     model._counter_hook.remove()
 
 
+def exact_decisions(results) -> dict:
+    """What ``exact_decisions`` did to an evaluation: the outcomes, the rescored pairs, the record (less its seconds)."""
+    record = {k: v for k, v in results.run_info["exact_decisions"].items() if k != "seconds"}
+    return {"outcomes": results.outcomes(), "rescored": [p.rescored for p in results.pairs], "record": record}
+
+
 def chat_tokenizer(tokenizer):
     chat = copy.deepcopy(tokenizer)
     chat.chat_template = CHAT_TEMPLATE
@@ -124,7 +130,11 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     out["fc_one_process_evaluator"] = [
         i.logprob_a for i in ForcedChoiceEvaluator(cache=prompts, memory_budget=BUDGET)(model).items
     ]
+    bf16 = tiny_llama(len(tokenizer)).to(torch.bfloat16)
+    out["bf16_one_process"] = exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    # Exact decisions under DDP: the same close pairs on both ranks, rescored in lockstep.
+    out["bf16_sharded"] = exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16))
 
     fc_scorer = Scorer(model, prompts, memory_budget=BUDGET, row_length=FC_ROW)
     fc_scorer.score()  # the method check: every process runs all of its sample

@@ -290,3 +290,14 @@ def test_one_forward_call_where_a_quarter_of_free_gpu_memory_holds_every_positio
     assert torch.allclose(one.score(), expected, rtol=1e-6, atol=1e-6) and len(one.layout().batches) == 1
     one._set_budget(2**15, retrying=True)
     assert one.call_budget is None
+
+
+def test_float32_scoring_of_bf16_weights_runs_without_graphs_with_its_reason(cache):
+    """precision='float32' on bf16 weights upcasts them a module at a time in Python hooks, which a replay would skip."""
+    model = tiny_llama(VOCAB).to(torch.bfloat16)
+    upcast = scorer_with(model, cache, Emulated(), precision="float32")
+    upcast.score(), upcast.score()
+    assert upcast.graphs.reason.startswith("the weights are upcast to float32") and upcast.graphs.captures == 0
+    own = scorer_with(model, cache, Emulated(), precision="bfloat16", method=upcast.method)
+    own.score(), own.score()
+    assert own.graphs.reason is None and own.graphs.captures > 0

@@ -101,6 +101,14 @@ def test_sharded_scores_equal_one_process_bitwise(scorer_run):
 
 
 @pytest.mark.slow
+def test_exact_decisions_rescore_the_same_pairs_on_both_ranks_as_one_process(scorer_run):
+    ranks, _ = scorer_run
+    one = ranks[0]["bf16_one_process"]
+    assert one["record"]["rescored_pairs"] == sum(one["rescored"]) > 0
+    assert all(out["bf16_sharded"] == out["bf16_one_process"] == one for out in ranks)
+
+
+@pytest.mark.slow
 def test_forced_choice_is_sharded_and_equals_one_process_bitwise(scorer_run):
     ranks, _ = scorer_run
     for out in ranks:

@@ -24,6 +24,7 @@ _TRANSFORMERS_ONLY = {
     "row_length": "--row-length",
     "no_cuda_graphs": "--no-cuda-graphs",
     "compile": "--compile",
+    "precision": "--precision",
 }
 _VLLM_ONLY = {
     "tensor_parallel_size": "--tensor-parallel-size",

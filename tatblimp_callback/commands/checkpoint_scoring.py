@@ -70,6 +70,7 @@ class CheckpointScorer:
                 truncate=self.options.truncate,
                 head_method=self.options.head_method,
                 row_length=self.options.row_length,
+                precision=self.options.precision or "auto",
                 suites=self.suites,
                 backend=options.backend,
                 vllm_options=options.vllm_options,

@@ -223,6 +223,7 @@ def run_explain(args: argparse.Namespace, stream: Any = None) -> None:
         truncate=args.truncate,
         head_method=args.head_method,
         row_length=args.row_length,
+        precision=getattr(args, "precision", None) or "auto",
     )
     if worst:
         indices = sorted(scored, key=lambda i: normalised_margin(scored[i][0]))[: args.worst]

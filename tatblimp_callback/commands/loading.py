@@ -34,6 +34,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-token-id", type=natural_int, help="token put before each sentence (default: BOS, else EOS)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
+    parser.add_argument(
+        "--precision",
+        choices=DTYPES,  # engine/precision.PRECISIONS, without importing torch for --help
+        help="what scoring computes in: auto (the weights' dtype; default), float32 (bf16 weights upcast a layer at a "
+        "time), bfloat16 or float16 (autocast); recorded in the results",
+    )
     parser.add_argument("--memory-budget-mb", type=positive_int, help="extra memory one evaluation may use")
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
     parser.add_argument(

@@ -62,6 +62,9 @@ class SweepOptions:
     row_length: int | None = None
     """Positions per row of the forward calls; None: the engine's default (256)."""
 
+    precision: str | None = None
+    """What scoring computes in: "auto" (None: the same), "float32", "bfloat16" or "float16" (``engine/precision.py``)."""
+
     suite: list[str] = field(default_factory=list)
     """More suites scored in the same pass, ``NAME=PATH`` each (as ``score --suite``); each record gets
     ``"suites": {name: results}``. A results file holds one set of suites: a rerun with others is refused."""

@@ -145,7 +145,7 @@ class Captured:
 class CudaGraphs:
     """The scorer's graphs: ``batches`` gives what an evaluation iterates, ``logprobs`` each batch's log-probs.
 
-    ``enabled``: ``cuda_graphs=``; ``sharded``/``tensor_parallel``: the scorer's model facts; ``graph_factory``: the
+    ``enabled``: ``cuda_graphs=``; ``sharded``/``tensor_parallel``/``upcast``: the scorer's model facts; ``graph_factory``: the
     CUDA parts (``TorchGraphs``). ``captures`` and ``replays`` count what was done; ``reason`` says why the latest
     evaluation ran without graphs (None when it replayed them, or before the first).
     """
@@ -154,6 +154,7 @@ class CudaGraphs:
     enabled: bool = True
     sharded: bool = False
     tensor_parallel: bool = False
+    upcast: bool = False  # float32 scoring of lower-precision weights: upcast a module at a time, in Python hooks
     graph_factory: Any = field(default_factory=TorchGraphs)
     captures: int = 0
     replays: int = 0
@@ -269,6 +270,8 @@ class CudaGraphs:
         placement = placement_reason(self.lm, device, self.sharded, self.tensor_parallel)
         if placement is not None:
             return placement
+        if self.upcast:
+            return "the weights are upcast to float32 a module at a time for each forward (precision='float32')"
         if same_pass:
             return "harness requests are scored in the same pass"
         if getattr(layout.batches, "prepared", None) is None:

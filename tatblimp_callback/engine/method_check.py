@@ -4,6 +4,13 @@ The check compares the fast readout of a sample of sequences with a plain forwar
 model (``scoring_method.reference_readout``), for each candidate method, fastest first. It is told
 how to compute both, and whether a layout's forward reads position ids, by the functions it is
 given: it calls nothing above it.
+
+Below float32 (``precision``) the plain forward is itself rounded, and on a GPU its rounding changes with the
+batch's shape, so two correct methods may differ by more than any fixed allowance. There the check also
+computes the sample in float32 (the same weights upcast for that forward only), and a method that does not
+match the plain forward within the allowance is still accepted when it is as close to that float32 truth as
+the plain forward is (``precision.within_plain_rounding``). The chosen method's error against the truth, per
+scored token, is kept (``rounding``): the bound that ``exact_decisions`` rescores pairs within.
 """
 
 from __future__ import annotations
@@ -15,7 +22,16 @@ import torch
 
 from . import distributed
 from .model_checks import ScoringError, weight_fingerprint
-from .scoring_method import RecheckSchedule, ScoringMethod, agree, first_matching_method, layouts_to_try
+from .precision import per_token_error, within_plain_rounding
+from .scoring_method import (
+    LOGIT_SCALE,
+    RELATIVE_TOLERANCE,
+    RecheckSchedule,
+    ScoringMethod,
+    agree,
+    first_matching_method,
+    layouts_to_try,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +49,8 @@ class MethodCheck:
         reads_positions: whether the model's forward reads the position ids of a layout's rows.
         tokens: how many token log-probs each compared value sums.
         rtol: the rounding allowance (``scoring_method.relative_tolerance``).
+        truth: the sample's plain forward in float32 (weights upcast), where the model is scored below float32;
+            None in float32, where the plain forward is the truth.
     """
 
     def __init__(
@@ -47,10 +65,14 @@ class MethodCheck:
         reads_positions: Callable[[ScoringMethod, list[int]], bool],
         tokens: torch.Tensor,
         rtol: Callable[[], float],
+        truth: Callable[[list[int]], torch.Tensor] | None = None,
     ):
         self.lm, self.method, self.sample = lm, method, sample
         self.heads, self.reference, self.readout, self.probe = heads, reference, readout, reads_positions
-        self.tokens, self.rtol = tokens, rtol
+        self.tokens, self.rtol, self.truth = tokens, rtol, truth
+        self._truth: torch.Tensor | None = None  # the float32 truth of the sample, for the latest comparison
+        self._errors: dict[ScoringMethod, torch.Tensor] = {}  # per-token errors against it, per method compared
+        self.rounding: torch.Tensor | None = None  # the chosen method's per-token errors on the sample (below float32)
         self.given = method is not None  # by the caller: used as it is
         self.checked = False
         self.recheck = RecheckSchedule()
@@ -67,7 +89,7 @@ class MethodCheck:
         fingerprint = weight_fingerprint(self.lm)
         if distributed.all_agree(not self.recheck.due(fingerprint)):
             return self.method
-        reference = self.reference(self.sample)
+        reference = self._reference()
         if not torch.isfinite(reference).any():
             return self.method  # diverged: nothing to compare with until it recovers
         if not distributed.all_agree(self.matches(self.method, reference)):
@@ -79,6 +101,7 @@ class MethodCheck:
             self.reads_positions.clear()
         else:
             self.recheck.checked(fingerprint)
+            self.rounding = self._errors.get(self.method)
             return self.method
         self.method = self.choose(reference)
         return self.method
@@ -86,7 +109,7 @@ class MethodCheck:
     def choose(self, reference: torch.Tensor | None = None) -> ScoringMethod:
         """The fastest method whose readout matches a plain forward on the sample."""
         if reference is None:
-            reference = self.reference(self.sample)
+            reference = self._reference()
         heads = self.heads()
         if not torch.isfinite(reference).any():
             # A diverged model leaves nothing to compare: use the fastest method for now and check
@@ -103,12 +126,42 @@ class MethodCheck:
             raise ScoringError("no scoring method matches a plain forward of this model; its logits may be non-deterministic")
         self.checked = True
         self.recheck.checked(weight_fingerprint(self.lm))
+        self.rounding = self._errors.get(method)
         return method
 
+    def measured_rounding(self) -> torch.Tensor | None:
+        """The method's per-token errors against the float32 truth on the sample, as last measured (at the check, or
+        now where the method was given); None without a truth (in float32, or a sharded model). Call it in the
+        scoring precision."""
+        if self.truth is None or self.method is None:
+            return None
+        if self.rounding is None:
+            truth = self.truth(self.sample)
+            values = self.readout(self.method, self.sample).to(truth.dtype)
+            tokens = self.tokens.to(truth.device, truth.dtype)
+            self.rounding = per_token_error(values, truth, tokens if truth.dim() == 1 else torch.ones_like(truth)).flatten()
+        return self.rounding
+
+    def _reference(self) -> torch.Tensor:
+        """The sample's plain forward in the model's precision; below float32 its float32 truth is taken too."""
+        self._errors = {}
+        self._truth = None if self.truth is None else self.truth(self.sample)
+        return self.reference(self.sample)
+
     def matches(self, method: ScoringMethod, reference: torch.Tensor) -> bool:
+        """Whether ``method``'s readout of the sample equals the plain forward's within the allowance or, below
+        float32, is as close to the float32 truth as the plain forward is."""
         values = self.readout(method, self.sample).to(reference.dtype)
         tokens = self.tokens.to(reference.device, reference.dtype)
-        return agree(values, reference, tokens if reference.dim() == 1 else torch.ones_like(reference), self.rtol())
+        tokens = tokens if reference.dim() == 1 else torch.ones_like(reference)
+        if self._truth is None:
+            return agree(values, reference, tokens, self.rtol())
+        truth = self._truth.to(reference.device, reference.dtype)
+        self._errors[method] = per_token_error(values, truth, tokens).flatten()
+        scale = truth.abs() + LOGIT_SCALE * tokens
+        return agree(values, reference, tokens, self.rtol()) or within_plain_rounding(
+            values, reference, truth, scale, RELATIVE_TOLERANCE[torch.float32]
+        )
 
     def forward_reads_positions(self, method: ScoringMethod) -> bool:
         """Whether the model's forward reads the position ids that tree and packed rows depend on (padded rows do not)."""

@@ -10,9 +10,10 @@ answer), which are then read out:
 - prompts (forced choice): only the last position is read, for each answer token's log-prob.
 
 Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers equal a
-plain one-sequence-at-a-time forward of the whole model on a sample, and checks it again once the weights have
-moved. One memory budget, one out-of-memory retry, one re-scoring of non-finite sequences and one distributed
-lockstep serve both protocols. On a GPU the plan's forward calls are replayed as CUDA graphs (``cuda_graphs``).
+plain one-sequence-at-a-time forward of the whole model on a sample (below float32: or are as close to its
+float32 truth, ``precision``), and checks it again once the weights have moved. One memory budget, one
+out-of-memory retry, one re-scoring of non-finite sequences and one distributed lockstep serve both protocols.
+On a GPU the plan's forward calls are replayed as CUDA graphs (``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .model_checks import (
 )
 from .model_state import scoring_mode
 from .packing import Batch, Layout, TokenSequences, build_layout
+from .precision import computing_in, float32_truth, scoring_precision, weights_dtype
 from .scored_spans import SpanReader
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .tiled_head import head_tile, plain_head_weight
@@ -65,9 +67,9 @@ PLAN_SHARE = 4  # a kept layout's prepared batches (its plan) may hold up to a q
 class Scorer:
     """Scores every sequence of a cache with one model; reusable across evaluations.
 
-    Under ``torch.distributed`` every process must call ``score``: each scores a token-balanced
-    share of the batches and all get every sequence's score (see ``distributed``). A model
-    sharded by FSDP or DeepSpeed ZeRO-3 is scored through its own forward, in lockstep.
+    Under ``torch.distributed`` every process must call ``score``: each scores a token-balanced share of the
+    batches and all get every sequence's score (see ``distributed``). A model sharded by FSDP or DeepSpeed
+    ZeRO-3 is scored through its own forward, in lockstep.
 
     Args:
         model: a causal LM (``AutoModelForCausalLM``), bare or wrapped in DDP, ``torch.compile`` or PEFT.
@@ -85,10 +87,12 @@ class Scorer:
             token, on the cache's device, until the next ``score()``); off, nothing is held between evaluations.
         cuda_graphs: replay the plan's forward calls as CUDA graphs on a GPU (``cuda_graphs``); False: never.
         compile: ``torch.compile`` the scoring forward for the plan's shapes (``compiled_forward``): a slow start.
+        precision: "auto" (the training's autocast dtype, else the weights'), "float32", "bfloat16" or "float16" (``precision``).
 
     Raises:
-        ScoringError: the model has weights on the meta device, its embedding is smaller than the
-            tokenizer's ids, or a sequence is longer than its context (without ``truncate``).
+        ScoringError: the model has weights on the meta device, its embedding is smaller than the tokenizer's
+            ids, or a sequence is longer than its context (without ``truncate``).
+        ValueError: an unknown ``precision``, or one the device cannot compute in.
 
     Example:
         The engine under ``Evaluator``, for per-sentence log-probs:
@@ -112,6 +116,7 @@ class Scorer:
         head_method: str | HeadMethod | None = None,
         cuda_graphs: bool = True,
         compile: bool = False,
+        precision: str | torch.dtype | None = "auto",
     ):
         self.model = model
         self.lm = unwrap_model(model)
@@ -120,11 +125,12 @@ class Scorer:
         self.sharded = distributed.is_sharded(model)
         # Tensor parallel: every process runs every row, each holding a slice of every layer.
         self.tensor_parallel = distributed.is_tensor_parallel(model)
-        # Accelerate wraps a mixed-precision model's forward in autocast; scoring runs the weights'
-        # own dtype (fp32 master weights stay exact), and the body and head below do too.
+        # Not accelerate's autocast wrapper: ``precision`` decides what scoring computes in (``computing_in``).
         self._forward = model if self.sharded else getattr(self.lm, "_original_forward", self.lm)
         check_causal_lm(self.lm)
         check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
+        self.precision = scoring_precision(model, self.lm, precision, cache.device)
+        self._built_dtype = weights_dtype(self.lm)
         self.cache = fit_to_context(self.lm, cache, truncate)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
@@ -144,25 +150,25 @@ class Scorer:
             reads_positions=self._forward_reads_positions,
             tokens=torch.tensor([self.cache.lengths[s] - 1 for s in sample]),
             rtol=lambda: relative_tolerance(self._dtype(), self.cache.device),
+            truth=float32_truth(self.lm, self._forward, self.cache, self.precision, self.sharded),
         )
         self._layouts: dict[tuple, Layout] = {}
         self._sequences: TokenSequences | None = None  # the cache's token ids on the host
         self.oom_retries = 0
-        self._built_dtype = self._dtype()
         self.keep_token_logprobs = keep_token_logprobs
         self.head = HeadChoice(forced=None if head_method is None else HeadMethod.parse(head_method))
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
         self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
-        self.graphs = CudaGraphs(self.lm, cuda_graphs, self.sharded, self.tensor_parallel)
+        upcast = self.precision.itemsize > weights_dtype(self.lm).itemsize
+        self.graphs = CudaGraphs(self.lm, cuda_graphs, self.sharded, self.tensor_parallel, upcast)
         self.compiled = CompiledForward(compile, self.sharded)
         self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
         self.setup_seconds = {"plan": 0.0, "method_check": 0.0}
-        # The cache's spans (``cache.span_tokens``: lm-evaluation-harness's requests in the same pass), scored on
-        # their last tokens only, with greedy flags.
+        # The cache's spans (``cache.span_tokens``: lm-evaluation-harness's requests), scored on their last tokens only.
         spans = self.cache.span_tokens
         self.spans = SpanReader(self.cells, self.cache.num_sentences - len(spans), spans) if spans else None
 
@@ -196,11 +202,12 @@ class Scorer:
         ``sequences``: score only these (the others are 0), e.g. one suite of several in the cache.
 
         The model is put in eval mode without gradients and back as it was found (each module's own mode, the random
-        generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C. On out-of-memory the memory
-        budget is halved and the evaluation retried, down to a floor (``memory_budget.MIN_MEMORY_BUDGET``), then
-        re-raised; later evaluations keep the smaller budget. Sequences that come out NaN or inf are scored again on rows
-        of their own, so that one diverged sequence does not spread to the others of its row. On a CPU the memory the
-        evaluation freed is handed back to the system at its end (``memory_budget.release_freed_memory``).
+        generators, the grad-enabled state; ``model_state.scoring_mode``), also on Ctrl-C, and computes in
+        ``precision``. On out-of-memory the memory budget is halved and the evaluation retried, down to a floor
+        (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller budget. Sequences that
+        come out NaN or inf are scored again on rows of their own, so that one diverged sequence does not spread to the
+        others of its row. On a CPU the memory the evaluation freed is handed back to the system at its end
+        (``memory_budget.release_freed_memory``).
 
         Returns:
             Float64 log-probs on the CPU: ``[sentences]``, or ``[prompts, answers]`` for forced-choice prompts.
@@ -211,7 +218,8 @@ class Scorer:
             PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
         try:
-            with scoring_mode(self.model), distributed.shared_failures():
+            in_precision = computing_in(self.lm, self.precision, self.cache.device)  # autocast, or weights upcast
+            with scoring_mode(self.model), in_precision, distributed.shared_failures():
                 return retry_out_of_memory(
                     lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
                 )
@@ -408,8 +416,8 @@ class Scorer:
         return ["tiled", "full_logits"] if self._head_weight() is not None else ["full_logits"]
 
     def _head_weight(self) -> torch.Tensor | None:
-        if self.lm.base_model is self.lm or self.sharded:
-            return None  # a sharded head's weight is a shard: only the model's own forward can use it
+        if self.lm.base_model is self.lm or self.sharded or self.precision.itemsize > self._built_dtype.itemsize:
+            return None  # a sharded head's weight is a shard, an upcast one is upcast in its own call: the model's forward
         return plain_head_weight(self.lm)
 
     def _vocab_size(self) -> int:
@@ -417,4 +425,4 @@ class Scorer:
         return weight.shape[0] if weight is not None else self.lm.config.vocab_size
 
     def _dtype(self) -> torch.dtype:
-        return next(self.lm.parameters()).dtype
+        return self.precision  # what the forwards compute in

@@ -247,10 +247,12 @@ def build_report(
             f"{run.record['acc']:.4f} {format_interval(run.record.get('acc_ci'))}",
             str(run.path),
             str(run.record.get("tokenizer", "-")),
+            str(run.record.get("precision") or run.record.get("dtype") or "-"),  # what the forwards computed in
         ]
         for run in runs
     ]
-    body.append(_table(["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer"], overview, "overview"))
+    header = ["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer", "precision"]
+    body.append(_table(header, overview, "overview"))
     body += _sections(runs, steps, pair_sentences(runs[0].record, data), details, threshold, paired and len(runs) > 1)
     body += tokenization_sections(runs, data)  # how each tokenizer cuts the edit, and the outcomes split by it
     for name in shared_suites(list(runs)):

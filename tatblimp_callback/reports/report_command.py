@@ -110,6 +110,7 @@ def run_report(args: argparse.Namespace) -> None:
             truncate=args.truncate,
             head_method=args.head_method,
             row_length=args.row_length,
+            precision=getattr(args, "precision", None) or "auto",
         )
     path = write_report(
         args.output,

@@ -66,6 +66,9 @@ class PairResult:
     subtype: str | None
     good: str = ""  # the sentences ("" for a cache written before they were kept)
     bad: str = ""
+    # Where scored again in float32 (``exact_decisions``): decided by these; the log-probs above stay the fast ones.
+    float32_good_logprob: float | None = None
+    float32_bad_logprob: float | None = None
 
     @property
     def finite(self) -> bool:
@@ -73,12 +76,21 @@ class PairResult:
         return math.isfinite(self.good_logprob) and math.isfinite(self.bad_logprob)
 
     @property
+    def rescored(self) -> bool:
+        return self.float32_good_logprob is not None
+
+    @property
     def passed(self) -> bool:
-        return self.good_logprob > self.bad_logprob
+        good, bad = self._decided()
+        return good > bad
 
     @property
     def passed_norm(self) -> bool:
-        return self.good_logprob / self.good_bytes > self.bad_logprob / self.bad_bytes
+        good, bad = self._decided()
+        return good / self.good_bytes > bad / self.bad_bytes
+
+    def _decided(self) -> tuple[float, float]:
+        return (self.float32_good_logprob, self.float32_bad_logprob) if self.rescored else (self.good_logprob, self.bad_logprob)
 
 
 @dataclass
@@ -228,7 +240,9 @@ class Results:
         """One pair's JSON: its fields, outcomes, edit and critical region (``reading/edit.py``) and alignment."""
         aligned = self.edit_aligned[index] == "1" if len(self.edit_aligned) == len(self.pairs) else None
         edit = find_edit(pair.good, pair.bad).to_dict(pair.good, pair.bad)
-        return {**asdict(pair), "passed": pair.passed, "passed_norm": pair.passed_norm, **edit, "edit_aligned": aligned}
+        fields = {k: v for k, v in asdict(pair).items() if v is not None or not k.startswith("float32_")}
+        rescored = {"rescored": True} if pair.rescored else {}
+        return {**fields, "passed": pair.passed, "passed_norm": pair.passed_norm, **rescored, **edit, "edit_aligned": aligned}
 
     def _benchmark_dict(self) -> dict[str, Any]:
         identity = {"release": self.benchmark_release, "md5": self.benchmark_md5, "source": self.benchmark_source}
@@ -279,6 +293,8 @@ class Results:
         """A plain-text table like the benchmark card's: each phenomenon, then overall, with 95% intervals."""
         width = max(len(name) for name in [*self.phenomena, "overall"])
         dtype = f"  dtype: {self.run_info['dtype']}" if self.run_info.get("dtype") else ""
+        if self.run_info.get("precision") not in (None, self.run_info.get("dtype")):  # autocast, or weights upcast
+            dtype += f"  precision: {self.run_info['precision']}"
         if self.run_info.get("backend", "transformers") != "transformers":  # the default backend goes unsaid
             dtype = f"  backend: {self.run_info['backend']}{dtype}"
         lines = [f"{self.benchmark_release}{dtype}  tokenizer: {self.tokenizer}"]
@@ -329,10 +345,13 @@ class Results:
         return columns, rows
 
 
-def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | None = None) -> Results:
-    """Metrics from per-sentence log-probs in cache order (sentence 2*i good, 2*i+1 bad)."""
+def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | None = None, rescored=None) -> Results:
+    """Metrics from per-sentence log-probs in cache order (sentence 2*i good, 2*i+1 bad). ``rescored``: ``(log-probs,
+    pairs)`` from ``exact_decisions``, the pairs (a boolean per pair) decided by those log-probs (float32) instead."""
     logprobs = np.asarray(logprobs.cpu() if hasattr(logprobs, "cpu") else logprobs, dtype=np.float64)
     good, bad = logprobs[0::2], logprobs[1::2]
+    decided, rescored = (logprobs, np.zeros(len(good), bool)) if rescored is None else map(np.asarray, rescored)
+    decided_good, decided_bad = np.where(rescored, decided[0::2], good), np.where(rescored, decided[1::2], bad)
     byte_lengths = cache.byte_lengths.cpu().numpy()
     good_bytes, bad_bytes = byte_lengths[0::2], byte_lengths[1::2]
     tokens = np.asarray(cache.lengths) - 1
@@ -340,7 +359,7 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
     subtype_index = cache.subtype_index.cpu().numpy()
 
     def group(mask: np.ndarray) -> GroupResult:
-        return _group_result(good[mask], bad[mask], good_bytes[mask], bad_bytes[mask])
+        return _group_result(decided_good[mask], decided_bad[mask], good_bytes[mask], bad_bytes[mask])
 
     overall, phenomena = grouped(group, phenomenon_index, cache.phenomena)
     return Results(
@@ -359,6 +378,8 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
                 subtype=cache.subtypes[subtype_index[i]] if subtype_index[i] >= 0 else None,
                 good=cache.sentences[2 * i] if cache.sentences else "",
                 bad=cache.sentences[2 * i + 1] if cache.sentences else "",
+                float32_good_logprob=float(decided_good[i]) if rescored[i] else None,
+                float32_bad_logprob=float(decided_bad[i]) if rescored[i] else None,
             )
             for i in range(len(good))
         ],

@@ -30,6 +30,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..engine.precision import check_precision, training_autocast_dtype
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
@@ -126,6 +127,13 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     compile: bool = False
     """``torch.compile`` the scoring forward for the plan's fixed shapes (not the model training runs): about a minute
     to compile on a GPU, so for long runs only (see the long-runs guide)."""
+    precision: str = "auto"
+    """What scoring computes in: "auto" (the precision training computes in: bf16 under ``bf16=True``, fp16 under
+    ``fp16=True``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""
+
+    exact_decisions: bool = True
+    """Below float32, score the pairs whose margin is within rounding again in float32, so that every decision (and
+    so every curve point) is float32's; the rescored pairs are recorded (``exact_decisions`` in the history line)."""
 
     log_prefix: str = "tatblimp"
     """Prefix of every logged key; in wandb it is the section name."""
@@ -210,6 +218,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
         self._every = callback_options.check_eval_steps(self.eval_steps)
         callback_options.check_alert_evaluations(self.alert_evaluations)
         callback_options.check_speed_options(self.cuda_graphs, self.compile)
+        check_precision(self.precision)
         if self.protocol not in ("logprob", "forced-choice", "both"):
             raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
         if self.report_file is not None and self.history_file is None:
@@ -287,7 +296,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
         tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
         if tokenizer is None:
             raise ValueError("TatBLiMPCallback needs a tokenizer: pass tokenizer= or give the Trainer a processing_class")
-        self._monitor.prepare(tokenizer, model, getattr(args, "output_dir", None))
+        self._monitor.prepare(tokenizer, model, getattr(args, "output_dir", None), training_autocast_dtype(model, args))
 
     def _planned_evaluations(self, args, max_steps) -> int | None:
         """The evaluations this run is scheduled to score (``callback_options.planned_evaluations``)."""

@@ -23,6 +23,7 @@ from ..chat.forced_choice import DEFAULT_PROMPT, ForcedChoiceEvaluator, ForcedCh
 from ..engine import distributed
 from ..engine.model_checks import unwrap_model, weights_label
 from ..engine.model_state import rng_preserved
+from ..engine.precision import precision_name
 from ..evaluation import Evaluator
 from ..results.curves import acquisition_steps
 from ..results.learning import LearningSummary
@@ -135,8 +136,9 @@ class InLoopMonitor:
 
     # -- the evaluators ---------------------------------------------------------------------------
 
-    def prepare(self, tokenizer, model, output_dir: str | None = None) -> None:
-        """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same."""
+    def prepare(self, tokenizer, model, output_dir: str | None = None, autocast_dtype=None) -> None:
+        """Build the evaluators once; keep them (and their tokenized cache) while tokenizer and data stay the same.
+        ``autocast_dtype``: what the training loop autocasts to (None: it does not), for ``precision="auto"``."""
         s = self.settings
         if self._prepared_for is None or self._prepared_for[0] is not tokenizer or self._prepared_for[1] is not s.data:
             self._prepared_for = (tokenizer, s.data)
@@ -175,10 +177,14 @@ class InLoopMonitor:
                     row_length=s.row_length,
                     cuda_graphs=s.cuda_graphs,
                     compile=s.compile,
+                    exact_decisions=getattr(s, "exact_decisions", True),
                     cache_path=callback_options.under_output_dir(s.cache_path, output_dir),
                     suites=s.suites,
                     spans=spans,
                 )
+        if self.evaluator is not None:
+            precision = getattr(s, "precision", "auto")
+            self.evaluator.precision = precision_name(autocast_dtype) if precision == "auto" and autocast_dtype else precision
         for evaluator in (self.fc_evaluator, self.evaluator):
             if evaluator is not None:
                 self._prepare_or_say_why(evaluator, model)

@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch import Callback
 
 from ..engine.model_checks import unwrap_model
+from ..engine.precision import check_precision, mixed_precision_dtype
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
@@ -122,6 +123,12 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     compile: bool = False
     """``torch.compile`` the scoring forward for the plan's fixed shapes (not the model training runs): about a minute
     to compile on a GPU, so for long runs only (see the long-runs guide)."""
+    precision: str = "auto"
+    """What scoring computes in: "auto" (the Trainer's: bf16 under ``precision="bf16-mixed"``, fp16 under
+    ``"16-mixed"``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""
+
+    exact_decisions: bool = True
+    """Below float32, decide the pairs within rounding by a float32 rescoring, as ``TatBLiMPCallback.exact_decisions``."""
 
     log_prefix: str = "tatblimp"
     """Prefix of every logged key."""
@@ -181,6 +188,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
         callback_options.check_alert_evaluations(self.alert_evaluations)
         callback_options.check_speed_options(self.cuda_graphs, self.compile)
+        check_precision(self.precision)
         self._monitor = InLoopMonitor(self)
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None
@@ -217,7 +225,8 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
         if tokenizer is None:
             raise ValueError("TatBLiMPLightningCallback needs a tokenizer: pass tokenizer= or give the module a tokenizer")
-        self._monitor.prepare(tokenizer, self._find_model(pl_module), trainer.default_root_dir)
+        autocast = mixed_precision_dtype(getattr(trainer, "precision", None))
+        self._monitor.prepare(tokenizer, self._find_model(pl_module), trainer.default_root_dir, autocast)
         if self.eval_on_start and trainer.global_step == 0:  # a resumed run has its earlier points already
             self._score(trainer, pl_module)
 
