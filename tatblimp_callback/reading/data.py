@@ -236,7 +236,7 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
 
 def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     """Parse the bytes of a JSONL benchmark file; ``name`` is used in error messages."""
-    text = decode_utf8(raw, name)
+    text = decode_utf8(raw, name).removeprefix("\ufeff")  # an editor's byte-order mark at the start is read past
     # JSON Lines ends a line at "\n" only: str.splitlines() would also split inside a string
     # holding U+2028 or a form feed, and shift every line number after it.
     lines = text.rstrip("\r\n").split("\n") if text.strip() else []
@@ -284,6 +284,9 @@ def json_record(line: str, where: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
+        if err.msg.startswith("Unexpected UTF-8 BOM"):  # json's own hint, "decode using utf-8-sig", is for programmers
+            fix = "save the file as UTF-8 without a byte-order mark"
+            raise BenchmarkError(f"{where}: invalid JSON (a byte-order mark starts the line; {fix})") from None
         raise BenchmarkError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
     except RecursionError:
         raise BenchmarkError(f"{where}: invalid JSON (nested too deeply)") from None

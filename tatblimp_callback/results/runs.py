@@ -95,9 +95,17 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
     """Read a ``score --output`` JSON file or a JSONL file of records with ``step`` (sweep, callback history)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as err:
         raise CompareError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (an editor's) is read past
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise CompareError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at {err.start}); expected TatBLiMP results: "
+            "a score --output JSON file, or JSON lines of a sweep or a callback history"
+        ) from None
     if not label and path.name.endswith(HUB_SWEEP_SUFFIX):  # a sweep of Hub revisions: org--name.tatblimp.jsonl
         label = path.name.removesuffix(HUB_SWEEP_SUFFIX)
     label = label or (path.parent.name if path.name in JSONL_NAMES and path.parent.name else path.stem)

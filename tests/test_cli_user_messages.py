@@ -1,0 +1,55 @@
+"""A new user's mistakes from issue #53, each answered by one line that names what was given and what to do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import DATA
+from tatblimp_callback.cli import main
+
+DEMO = Path(__file__).parent / "data" / "demo_history.jsonl"
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+
+
+def error_of(args, capsys, status: int = 1) -> str:
+    assert main(args) == status
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    return err.split(": error: ", 1)[1].rstrip("\n")
+
+
+def test_a_file_that_is_not_text_is_named_with_what_was_expected(tmp_path, capsys):
+    image = tmp_path / "acc_norm.png"
+    image.write_bytes(PNG)
+    expected = (
+        f"{image}:1: not UTF-8 text (byte 0x89 at 0); expected TatBLiMP results: a score --output JSON file, "
+        "or JSON lines of a sweep or a callback history"
+    )
+    assert error_of(["compare", str(DEMO), str(image)], capsys) == expected
+    assert error_of(["report", str(DEMO), str(image), "--output", str(tmp_path / "r.html")], capsys) == expected
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path, capsys):
+    marked = tmp_path / "run" / "tatblimp_history.jsonl"
+    marked.parent.mkdir()
+    marked.write_bytes(b"\xef\xbb\xbf" + DEMO.read_bytes())  # as Notepad saves "UTF-8 with BOM"
+    out = tmp_path / "c.json"
+    assert main(["compare", str(DEMO), str(marked), "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["label"] for run in runs] == ["demo_history", "run"]
+    # The benchmark file too: read past at the start, named as a user's fix inside the file.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + DATA.read_bytes())
+    from tatblimp_callback.reading.data import BenchmarkError, parse_pairs
+
+    assert len(parse_pairs(bom.read_bytes(), str(bom))) == 1248
+    first, rest = DATA.read_bytes().split(b"\n", 1)
+    try:
+        parse_pairs(first + b"\n\xef\xbb\xbf" + rest, "b.jsonl")
+    except BenchmarkError as err:
+        assert str(err) == (
+            "b.jsonl:2: invalid JSON (a byte-order mark starts the line; save the file as UTF-8 without a byte-order mark)"
+        )
+    else:
+        raise AssertionError("a byte-order mark inside the file was taken")
