@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from conftest import DATA
@@ -53,3 +54,40 @@ def test_a_byte_order_mark_is_read_past(tmp_path, capsys):
         )
     else:
         raise AssertionError("a byte-order mark inside the file was taken")
+
+
+def test_a_run_folder_given_for_a_model_names_its_checkpoints(model_dir, tmp_path, capsys):
+    run = tmp_path / "runs" / "tiny-tatar"
+    for step in (200, 400, 1000):
+        shutil.copytree(model_dir, run / f"checkpoint-{step}")
+    expected = (
+        f"{run}: a training run's folder with 3 checkpoint(s) (checkpoint-200, checkpoint-400, checkpoint-1000), not a "
+        f"model folder; give one checkpoint's folder ({run / 'checkpoint-1000'}), or score them all with "
+        f"`tatblimp sweep {run}`"
+    )
+    data = ["--data", str(DATA)]
+    assert error_of(["score", str(run), *data], capsys) == expected  # was: "has no tokenizer ... pass --tokenizer"
+    assert error_of(["score", str(run), "--tokenizer", str(model_dir), *data], capsys) == expected  # was: "no config.json"
+    assert error_of(["explain", str(run), "--pair", "0", *data], capsys) == expected
+    report = ["report", str(DEMO), "--model", str(run), "--output", str(tmp_path / "r.html"), *data]
+    assert error_of(report, capsys) == expected
+
+
+def test_sweep_names_a_missing_folder_and_an_empty_revision_list(tmp_path, capsys):
+    assert error_of(["sweep", str(tmp_path / "runs" / "nope"), "--data", str(DATA)], capsys) == (
+        f"{tmp_path / 'runs' / 'nope'}: no such folder"
+    )
+    (tmp_path / "a-file").write_text("x")
+    assert error_of(["sweep", str(tmp_path / "a-file"), "--data", str(DATA)], capsys) == (
+        f"{tmp_path / 'a-file'}: a file, not a run folder"
+    )
+    assert error_of(["sweep", "EleutherAI/pythia-160m", "--revisions", "", "--data", str(DATA)], capsys) == (
+        "--revisions '' names no revision: give names or globs, e.g. --revisions 'step*'"
+    )
+    assert error_of(["sweep", "EleutherAI/pythia-160m", "--revisions", " , ", "--data", str(DATA)], capsys) == (
+        "--revisions ' , ' names no revision: give names or globs, e.g. --revisions 'step*'"
+    )
+    assert error_of(["sweep", "EleutherAI/pythia-160m", "--revisions", "main,step[", "--data", str(DATA)], capsys) == (
+        "--revisions 'main,step[': the pattern 'step[' is malformed, a [ without its ] (a set of characters is [0-9]; "
+        "the globs are * and ?)"
+    )

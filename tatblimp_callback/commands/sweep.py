@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import fields, replace
@@ -108,6 +109,8 @@ def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, rev
         raise ValueError(
             "max_wait (--max-wait) needs watch (--watch): without it the sweep ends once the checkpoints there are scored"
         )
+    if options.revisions is not None:
+        check_revision_pattern(options.revisions)
     if options.revisions and options.watch:
         raise ValueError("watch (--watch) polls a run folder; a sweep over Hub revisions (--revisions) scores those listed")
     if not options.revisions and (options.x or options.results or not options.keep_downloads):
@@ -140,6 +143,20 @@ def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, rev
         history_from_records(report.records), options.threshold, use_lower_bound=options.acquisition == "lower-bound"
     )
     return report
+
+
+def check_revision_pattern(pattern: str) -> None:
+    """ValueError for a ``revisions`` pattern that names nothing (``''``) or holds a glob that cannot be read
+    (``'step['``: a ``[`` without its ``]``), before any Hub repository or run folder is looked at."""
+    items = [item.strip() for item in pattern.split(",")]
+    if not any(items):
+        raise ValueError(f"--revisions {pattern!r} names no revision: give names or globs, e.g. --revisions 'step*'")
+    for item in items:
+        if re.search(r"\[(?![^\]]*\])", item.replace("[]]", "")):  # fnmatch would take the [ as a plain character
+            raise ValueError(
+                f"--revisions {pattern!r}: the pattern {item!r} is malformed, a [ without its ] (a set of characters "
+                "is [0-9]; the globs are * and ?)"
+            )
 
 
 class _RunFolder:
