@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -91,3 +92,26 @@ def test_sweep_names_a_missing_folder_and_an_empty_revision_list(tmp_path, capsy
         "--revisions 'main,step[': the pattern 'step[' is malformed, a [ without its ] (a set of characters is [0-9]; "
         "the globs are * and ?)"
     )
+
+
+def test_report_with_a_model_shows_its_progress(model_dir, tmp_path, capsys):
+    from tatblimp_callback.reports.report import report_pairs
+    from tatblimp_callback.results.runs import load_runs
+
+    listed = len(set(report_pairs(load_runs([DEMO]))))
+    assert listed > 500  # minutes with a real model: worth a bar
+    command = ["report", str(DEMO), "--model", str(model_dir), "--data", str(DATA), "--device", "cpu"]
+    assert main([*command, "--output", str(tmp_path / "r.html")]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"tatblimp report: loading {model_dir} to score the {listed} pairs listed\n")
+    updates = re.findall(r"tatblimp scoring pairs: +(\d+)%\|[^|]*\| (\d+)/(\d+)", err)
+    assert updates[-1] == ("100", str(listed), str(listed))
+    assert len({done for _, done, _ in updates}) >= 10  # it moves while it scores, not only at the end
+    assert main([*command, "--output", str(tmp_path / "quiet.html"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    # The page lists the same tokens, their surprisals shown to the tenth of a bit: scored in parts, a sum may differ
+    # in its last float32 digits (as scoring a subset of the benchmark already does), so a shown value by 0.1 at most.
+    pages = [(tmp_path / name).read_text(encoding="utf-8") for name in ("r.html", "quiet.html")]
+    shown = [[float(v) for v in re.findall(r"<b>(-?[\d.]+)</b>", page)] for page in pages]
+    assert len(shown[0]) == len(shown[1]) > 10 * listed
+    assert max(abs(a - b) for a, b in zip(*shown)) <= 0.1 + 1e-9
