@@ -7,7 +7,10 @@ harness scores exactly the pairs ``tatblimp score`` scores, in file order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import datasets
+from lm_eval.api.task import ConfigurableTask
 
 from tatblimp_callback.reading.data import load_benchmark
 
@@ -23,6 +26,22 @@ def load_pairs(phenomenon: str | None = None, data_path: str | None = None, **_m
         if phenomenon is None or p.phenomenon == phenomenon
     ]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+class TatBLiMPTask(ConfigurableTask):
+    """A TatBLiMP subtask: the harness's configurable task, its pairs read by ``load_pairs``.
+
+    The YAML names this class instead of giving ``custom_dataset: load_pairs``, with which the harness logs "Custom
+    kwargs can be passed to `--metadata`" once per subtask (16 times a run) although there is nothing to pass.
+    ``--metadata '{"data_path": ...}'`` still reaches ``load_pairs``.
+    """
+
+    def __init__(self, config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        config = {key: value for key, value in (config or {}).items() if key != "class"}  # the YAML's, not a field
+        super().__init__(config=config, **kwargs)
+
+    def download(self, dataset_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.dataset = load_pairs(**(self.config.metadata or {}), **(self.config.dataset_kwargs or {}))
 
 
 def process_results(doc: dict, results: list[tuple[float, bool]]) -> dict[str, float]:
