@@ -7,10 +7,13 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import DATA
 from tatblimp_callback.cli import main
 
 DEMO = Path(__file__).parent / "data" / "demo_history.jsonl"
+PHENOMENA = list(dict.fromkeys(json.loads(line)["phenomenon"] for line in DATA.read_text(encoding="utf-8").splitlines()))
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
 
 
@@ -115,3 +118,40 @@ def test_report_with_a_model_shows_its_progress(model_dir, tmp_path, capsys):
     shown = [[float(v) for v in re.findall(r"<b>(-?[\d.]+)</b>", page)] for page in pages]
     assert len(shown[0]) == len(shown[1]) > 10 * listed
     assert max(abs(a - b) for a, b in zip(*shown)) <= 0.1 + 1e-9
+
+
+def test_tokenizers_include_pairs_without_output_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["tokenizers", str(tmp_path / "no-such-tokenizer"), "--data", str(DATA), "--include-pairs"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tatblimp tokenizers ")  # the subcommand's usage, found before any tokenizer is read
+    assert err.splitlines()[-1] == (
+        "tatblimp tokenizers: error: --include-pairs goes with --output (the per-pair figures are written to that JSON file only)"
+    )
+
+
+def test_a_watching_sweep_says_once_what_it_waits_for(tmp_path, capsys):
+    run = tmp_path / "runs" / "tiny-tatar"
+    run.mkdir(parents=True)  # training has not saved its first checkpoint yet
+    assert main(["sweep", str(run), "--data", str(DATA), "--watch", "--interval", "0.1", "--max-wait", "1"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"tatblimp sweep: watching {run} for new checkpoints (every 0.1 s; stops after 1 s without one)"
+    assert len(err) == 2 and err[1].startswith(f"tatblimp sweep: error: {run}: no checkpoints found")  # ~10 polls, said once
+    assert (
+        main(["sweep", str(run), "--data", str(DATA), "--watch", "--interval", "0.1", "--max-wait", "0.3", "--no-progress"]) == 1
+    )
+    assert len(capsys.readouterr().err.splitlines()) == 1  # --no-progress: quiet
+
+
+def test_a_mistyped_phenomenon_gets_a_did_you_mean(model_dir, capsys):
+    data = ["--data", str(DATA)]
+    assert error_of(["score", str(model_dir), "--phenomena", "bindng,passives", *data], capsys) == (
+        f"{DATA}: no phenomenon bindng (did you mean binding?) (phenomena: {', '.join(PHENOMENA)})"
+    )
+    assert error_of(["explain", str(model_dir), "--phenomenon", "quantifers", "--worst", "2", *data], capsys) == (
+        f"--phenomenon quantifers: no such phenomenon (did you mean quantifiers?) ({', '.join(PHENOMENA)})"
+    )
+    assert error_of(["score", str(model_dir), "--phenomena", "xyz", *data], capsys) == (
+        f"{DATA}: no phenomenon xyz (phenomena: {', '.join(PHENOMENA)})"  # nothing close: no guess
+    )

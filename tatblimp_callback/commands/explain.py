@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..reading.data import Benchmark
+from ..reading.data import Benchmark, did_you_mean
 from ..reading.option_types import natural_int, positive_int
 
 if TYPE_CHECKING:  # torch comes with them: `tatblimp explain --help` does without
@@ -223,7 +223,8 @@ def choose_pairs(args: argparse.Namespace, benchmark: Benchmark) -> tuple[list[i
     if not args.phenomenon or not args.worst:
         raise ValueError("name the pairs: --pair N, or --phenomenon NAME --worst K")
     if args.phenomenon not in benchmark.phenomena:
-        raise ValueError(f"--phenomenon {args.phenomenon}: no such phenomenon ({', '.join(benchmark.phenomena)})")
+        hint = did_you_mean(args.phenomenon, benchmark.phenomena)
+        raise ValueError(f"--phenomenon {args.phenomenon}: no such phenomenon{hint} ({', '.join(benchmark.phenomena)})")
     return [i for i, p in enumerate(benchmark.pairs) if p.phenomenon == args.phenomenon], True
 
 

@@ -166,6 +166,7 @@ class _RunFolder:
     axis = "step"
 
     def __init__(self, run_dir: Path, options: SweepOptions, device: str | None):
+        self.run_dir = run_dir
         self.options = options
         self.results_path = run_dir / RESULTS_FILE
         self.failures_path = run_dir / FAILURES_FILE
@@ -192,6 +193,13 @@ class _RunFolder:
         pass
 
 
+def _waiting_line(run_dir: Path, options: SweepOptions, incomplete: list[str]) -> str:
+    """What a watching sweep waits for, said once when it has nothing to score."""
+    line = f"tatblimp sweep: watching {run_dir} for new checkpoints (every {options.poll_interval:g} s"
+    line += f"; stops after {options.max_wait:g} s without one)" if options.max_wait is not None else "; Ctrl-C stops)"
+    return line + (f"; not complete yet: {', '.join(incomplete)}" if incomplete else "")
+
+
 def _poll(source: Any, done: set[str], settled: bool, report: SweepReport) -> tuple | SweepError:
     try:
         return source.poll(done, settled, report)
@@ -212,7 +220,7 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
     )
     bar = None
     last_new = time.monotonic()
-    settled = False
+    settled = said_waiting = False
     try:
         while True:
             polled = _poll(source, done, settled, report) if first else None
@@ -270,6 +278,9 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
             stop = not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait)
             if processes.from_first(stop):
                 break
+            if first and options.progress and not todo and not said_waiting:  # once: what the silence is
+                tqdm.write(_waiting_line(source.run_dir, options, report.incomplete), file=sys.stderr)
+                said_waiting = True
             time.sleep(options.poll_interval)
     except KeyboardInterrupt:
         if not options.watch:

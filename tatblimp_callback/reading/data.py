@@ -154,7 +154,8 @@ class Benchmark:
             raise BenchmarkError(f"limit must be at least 1, got {limit}")
         unknown = [name for name in phenomena or () if name not in self.phenomena]
         if unknown:
-            raise BenchmarkError(f"{self.source}: no phenomenon {', '.join(unknown)} (phenomena: {', '.join(self.phenomena)})")
+            named = ", ".join(name + did_you_mean(name, self.phenomena) for name in unknown)
+            raise BenchmarkError(f"{self.source}: no phenomenon {named} (phenomena: {', '.join(self.phenomena)})")
         kept, seen = [], dict.fromkeys(self.phenomena, 0)
         for pair in self.pairs:
             if (not phenomena or pair.phenomenon in phenomena) and (limit is None or seen[pair.phenomenon] < limit):
@@ -248,6 +249,14 @@ def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     if not pairs:
         raise BenchmarkError(f"{name}: the file holds no pairs")
     return pairs
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the name of ``known`` closest to a mistyped ``name`` (``bindng``), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def decode_utf8(raw: bytes, name: str) -> str:

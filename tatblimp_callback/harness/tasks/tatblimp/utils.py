@@ -12,14 +12,17 @@ from typing import Any
 import datasets
 from lm_eval.api.task import ConfigurableTask
 
-from tatblimp_callback.reading.data import load_benchmark
+from tatblimp_callback.reading.data import did_you_mean, load_benchmark
 
 
 def load_pairs(phenomenon: str | None = None, data_path: str | None = None, **_metadata) -> datasets.DatasetDict:
     """The benchmark's pairs (those of ``phenomenon``, or all) as the task's ``test`` split, with their index in the file."""
     benchmark = load_benchmark(data_path)
     if phenomenon is not None and phenomenon not in benchmark.phenomena:
-        raise ValueError(f"TatBLiMP task: no phenomenon {phenomenon!r} in {benchmark.source} (it has {benchmark.phenomena})")
+        hint = did_you_mean(phenomenon, benchmark.phenomena)
+        raise ValueError(
+            f"TatBLiMP task: no phenomenon {phenomenon!r}{hint} in {benchmark.source} (it has {benchmark.phenomena})"
+        )
     rows = [
         {"pair": i, "good": p.good, "bad": p.bad, "phenomenon": p.phenomenon, "subtype": p.subtype or ""}
         for i, p in enumerate(benchmark.pairs)
