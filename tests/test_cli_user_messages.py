@@ -35,7 +35,7 @@ def test_a_file_that_is_not_text_is_named_with_what_was_expected(tmp_path, capsy
     assert error_of(["report", str(DEMO), str(image), "--output", str(tmp_path / "r.html")], capsys) == expected
 
 
-def test_a_byte_order_mark_is_read_past(tmp_path, capsys):
+def test_a_byte_order_mark_is_read_past_in_results_and_named_in_a_benchmark(tmp_path, capsys):
     marked = tmp_path / "run" / "tatblimp_history.jsonl"
     marked.parent.mkdir()
     marked.write_bytes(b"\xef\xbb\xbf" + DEMO.read_bytes())  # as Notepad saves "UTF-8 with BOM"
@@ -43,21 +43,18 @@ def test_a_byte_order_mark_is_read_past(tmp_path, capsys):
     assert main(["compare", str(DEMO), str(marked), "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [run["label"] for run in runs] == ["demo_history", "run"]
-    # The benchmark file too: read past at the start, named as a user's fix inside the file.
-    bom = tmp_path / "bom.jsonl"
-    bom.write_bytes(b"\xef\xbb\xbf" + DATA.read_bytes())
+    # A benchmark file (md5-pinned) is not read past one: the error says how to save it, on whichever line it is.
     from tatblimp_callback.reading.data import BenchmarkError, parse_pairs
 
-    assert len(parse_pairs(bom.read_bytes(), str(bom))) == 1248
     first, rest = DATA.read_bytes().split(b"\n", 1)
-    try:
-        parse_pairs(first + b"\n\xef\xbb\xbf" + rest, "b.jsonl")
-    except BenchmarkError as err:
-        assert str(err) == (
-            "b.jsonl:2: invalid JSON (a byte-order mark starts the line; save the file as UTF-8 without a byte-order mark)"
-        )
-    else:
-        raise AssertionError("a byte-order mark inside the file was taken")
+    fix = "invalid JSON (a byte-order mark starts the line; save the file as UTF-8 without a byte-order mark)"
+    for raw, line in ((b"\xef\xbb\xbf" + first + b"\n" + rest, 1), (first + b"\n\xef\xbb\xbf" + rest, 2)):
+        with pytest.raises(BenchmarkError) as error:
+            parse_pairs(raw, "b.jsonl")
+        assert str(error.value) == f"b.jsonl:{line}: {fix}"  # was: "Unexpected UTF-8 BOM (decode using utf-8-sig)"
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + DATA.read_bytes())
+    assert error_of(["tokenizers", "gpt2", "--data", str(bom), "--allow-modified"], capsys) == f"{bom}:1: {fix}"
 
 
 def test_a_run_folder_given_for_a_model_names_its_checkpoints(model_dir, tmp_path, capsys):

@@ -237,7 +237,7 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
 
 def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     """Parse the bytes of a JSONL benchmark file; ``name`` is used in error messages."""
-    text = decode_utf8(raw, name).removeprefix("\ufeff")  # an editor's byte-order mark at the start is read past
+    text = decode_utf8(raw, name)  # a byte-order mark is refused (json_record says how to save without one)
     # JSON Lines ends a line at "\n" only: str.splitlines() would also split inside a string
     # holding U+2028 or a form feed, and shift every line number after it.
     lines = text.rstrip("\r\n").split("\n") if text.strip() else []
