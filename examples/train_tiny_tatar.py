@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import shlex
@@ -25,6 +26,37 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from tatblimp_callback import TatBLiMPCallback
 from tatblimp_callback.results.curves import plot_curves
+
+
+class AboveProgressBars(logging.Handler):
+    """Log lines written with ``tqdm.write``: above the Trainer's progress bar, on a line of their own (a regression
+    alert written straight to stderr was glued onto the bar's line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def log_above_progress_bars() -> None:
+    """The library's warnings (``tatblimp: REGRESSION: ...``) through ``AboveProgressBars``, as they read otherwise."""
+    package = logging.getLogger("tatblimp_callback")
+    if not any(isinstance(handler, AboveProgressBars) for handler in package.handlers):
+        handler = AboveProgressBars(logging.WARNING)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        package.addHandler(handler)
+        package.propagate = False  # not printed a second time by a root handler
+
+
+def finish_wandb() -> None:
+    """Close the wandb run now, so that its closing lines come before the demo's last lines, not after them."""
+    sys.stdout.flush()  # what was printed comes first also where stdout is a pipe (| tee demo.log)
+    wandb = sys.modules.get("wandb")  # imported by the Trainer's wandb reporter only when it reports to wandb
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
 
 
 def parse_args() -> argparse.Namespace:
@@ -106,6 +138,7 @@ def next_steps(output: Path, data: str | None) -> list[str]:
 
 def main() -> None:
     args = parse_args()
+    log_above_progress_bars()
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_PROJECT", "tatblimp-tiny-tatar")
     random.seed(args.seed)
@@ -175,6 +208,7 @@ def main() -> None:
         f"wrote {plot}, {output / 'tatblimp_results.json'}, {output / 'tatblimp_history.jsonl'} (one line per evaluation)"
         f" and the model in {output / 'model'}"
     )
+    finish_wandb()
     print("\n" + "\n".join(next_steps(output, args.data)))
 
 

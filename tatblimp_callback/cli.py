@@ -287,16 +287,21 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``parser.parse_args``, except that an option no parser knows is reported by the subcommand's parser:
-    its usage, not the top-level one, and status 2."""
+    its usage, not the top-level one, and status 2; so is what a subcommand's ``usage_problem`` (a default of its
+    parser: args -> a message or None) finds."""
     args, unknown = parser.parse_known_args(argv)
     if args.command == "lm-eval":  # every argument after it is the harness's, in its order (argparse's REMAINDER
         # leaves an option that comes first to the unknown ones)
         given = list(sys.argv[1:] if argv is None else argv)
         args.harness_args = given[given.index("lm-eval") + 1 :]
         unknown = []
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     if unknown:
-        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    # Options that need one another (tokenizers --include-pairs needs --output): a usage error too, status 2.
+    problem = getattr(args, "usage_problem", lambda _: None)(args)
+    if problem:
+        subcommands.choices[args.command].error(problem)
     return args
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 from tatblimp_callback.cli import main
 from tatblimp_callback.results.runs import load_runs
@@ -64,3 +65,38 @@ def test_a_file_named_twice_is_read_once_and_warned_about_once(tmp_path, caplog)
     runs = load_runs([f"{path}@0", path])
     assert [(run.label, run.record["step"]) for run in runs] == [("run@0", 0), ("run", 100)]
     assert runs[0].records is runs[1].records and runs[0] is not runs[1]
+
+
+def test_the_sweep_and_the_history_of_one_run_get_labels_of_their_own(tmp_path, capsys):
+    """runs/X/tatblimp.jsonl (sweep) beside runs/X/tatblimp_history.jsonl (the callback's): both labelled X before,
+    the fits table and the JSON's learning kept one, and --baseline could not choose."""
+    demo = Path(__file__).parent / "data" / "demo_history.jsonl"
+    lines = demo.read_text(encoding="utf-8").splitlines(keepends=True)
+    folder = tmp_path / "runs" / "tiny-tatar"
+    folder.mkdir(parents=True)
+    (folder / "tatblimp_history.jsonl").write_text("".join(lines))
+    (folder / "tatblimp.jsonl").write_text("".join(lines[: len(lines) // 2 + 1]))  # a sweep of the first checkpoints
+    sweep, history = str(folder / "tatblimp.jsonl"), str(folder / "tatblimp_history.jsonl")
+    labels = ["tiny-tatar/tatblimp.jsonl", "tiny-tatar/tatblimp_history.jsonl"]
+
+    out = tmp_path / "c.json"
+    assert main(["compare", sweep, history, "--json", str(out), "--baseline", labels[1]]) == 0
+    table = capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert [run["label"] for run in written["runs"]] == labels
+    assert sorted(written["learning"]) == labels  # both curves fitted, none dropped
+    assert [(t["baseline"], t["run"]) for t in written["learning_order"]] == [(labels[1], labels[0])]
+    assert {test["run"] for test in written["paired"]} == {labels[0]}
+    assert table.count("tiny-tatar/tatblimp.jsonl") >= 2 and "tiny-tatar/tatblimp_history.jsonl" in table
+
+    report = tmp_path / "r.html"
+    assert main(["report", sweep, history, "--output", str(report)]) == 0
+    page = report.read_text(encoding="utf-8")
+    assert f'data-run="{labels[1]}"' in page and f"{labels[1]} against {labels[0]}" in page
+
+
+def test_the_same_file_at_the_same_step_twice_is_numbered(tmp_path):
+    path = tmp_path / "run" / "tatblimp.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(result(0.5, {"p": v}, step=s)) + "\n" for s, v in ((0, 0.3), (100, 0.6))))
+    assert [run.label for run in load_runs([path, path])] == ["run#1", "run#2"]

@@ -48,6 +48,20 @@ def test_every_subcommand_and_option_is_in_its_section():
                 assert html.escape(expanded, quote=False) in sections[name], f"{name}: the help of {option}"
 
 
+def test_the_committed_reference_is_what_the_parsers_give():
+    """docs/reference/cli.md holds the reference for readers of the repository: the parsers' own, to the character.
+    After a parser changes: python docs/hooks/cli_reference.py (rewrites it)."""
+    hook = load_hook()
+    page = (REPO / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
+    committed = hook.committed_reference(page)
+    assert committed == hook.render_cli(build_parser()).strip("\n"), "run: python docs/hooks/cli_reference.py"
+    assert committed.count("<tr><td><code>") > 150
+    for name, _ in commands(build_parser()):
+        assert f"`{name}` {{#{name.replace(' ', '-')}}}" in committed
+    # The site build puts a fresh copy in the same place: the page as the hook gives it has the reference once.
+    assert hook.with_reference(page, hook.current_reference()) == page
+
+
 def test_the_long_run_guide_names_every_option_of_the_callback():
     import dataclasses
 

@@ -80,7 +80,15 @@ def test_compare_and_the_report_show_the_split_with_intervals(scored, tmp_path, 
     assert by_edit[next(iter(by_edit))]["splits"] == split_by_edit(record)
     aligned = split_by_edit(record)["alignment"]["acc_norm"]["overall"]["in"]
     cell = f"{aligned['acc']:.3f} [{aligned['ci'][0]:.3f}, {aligned['ci'][1]:.3f}] ({aligned['n']})"
-    assert cell in out_md.read_text() and cell in capsys.readouterr().out
+    terminal = capsys.readouterr().out
+    assert cell in out_md.read_text() and cell in terminal
+    # On the terminal the split is a fixed-width table as the others are, not a Markdown one among them.
+    assert not [line for line in terminal.splitlines() if line.lstrip().startswith("|")]
+    split = terminal.split(f"{next(iter(by_edit))}: acc and acc_norm by alignment")[1].split("\n\n")[0].splitlines()
+    assert split[1].split() == ["group", "metric", "aligned", "unaligned", "difference", "p", "(Fisher)"]
+    assert set(split[2]) == {"-"} and len(split[2]) == max(map(len, split[3:]))
+    assert sorted(line.split()[1] for line in split[3:]) == ["acc", "acc_norm"]
+    assert {line.split()[0] for line in split[3:]} == {"overall"}  # the phenomena: in --markdown and --json
     html = build_report(load_runs([str(path)]))
     assert "Outcomes by how the tokenizer cut the edit" in html and cell in html
     overall = figures["suites"]["tatblimp"][0]

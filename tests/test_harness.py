@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -221,3 +222,31 @@ def test_tatblimp_lm_eval_runs_the_harness_with_the_model_registered(model_dir, 
     assert written["config"]["model"] == "tatblimp"
     assert 0 <= written["results"]["tatblimp_binding"]["acc,none"] <= 1
     assert written["n-samples"]["tatblimp_binding"]["effective"] == 78
+
+
+def test_loading_the_task_logs_no_custom_dataset_warning(caplog):
+    """The 16 subtasks load their 1,248 pairs without the harness's "Custom kwargs" warning (was once per subtask)."""
+    with caplog.at_level(logging.DEBUG):
+        loaded = TaskManager(include_path=str(task_path()), include_defaults=False).load(["tatblimp"])
+    tasks = loaded["tasks"]
+    assert len(tasks) == 16 and sum(len(task.test_docs()) for task in tasks.values()) == 1248
+    assert [r.getMessage() for r in caplog.records if "Custom kwargs" in r.getMessage()] == []
+
+
+@pytest.mark.slow
+def test_the_harness_runs_the_task_without_its_custom_dataset_warning(model_dir, tmp_path, monkeypatch):
+    """``lm_eval --tasks tatblimp`` warned "Custom kwargs can be passed to `--metadata`" once per subtask (16 lines
+    a run) while the task read its pairs through ``custom_dataset``; ``--metadata``'s data_path still reaches them."""
+    monkeypatch.delenv("TATBLIMP_DATA")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32"]
+    command += ["--tasks", "tatblimp", "--include_path", str(task_path()), "--device", "cpu", "--limit", "2"]
+    command += ["--metadata", json.dumps({"data_path": str(DATA)}), "--output_path", str(out)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (run.stdout + run.stderr).count("Custom kwargs") == 0
+    written = json.loads(next(out.rglob("results_*.json")).read_text())
+    subtasks = [name for name in written["n-samples"] if name.startswith("tatblimp_")]
+    assert len(subtasks) == 16 and {written["n-samples"][name]["effective"] for name in subtasks} == {2}
+    assert 0 <= written["results"]["tatblimp"]["acc_norm,none"] <= 1

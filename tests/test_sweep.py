@@ -111,7 +111,7 @@ def test_find_checkpoints_names_and_errors(run_dir, bpe_tokenizer):
         SweepError, match=r"checkpoint-20 and ckpt_020 both claim step 20|ckpt_020 and checkpoint-20 both claim step 20"
     ):
         find_checkpoints(run_dir)
-    with pytest.raises(SweepError, match="not a folder"):
+    with pytest.raises(SweepError, match=r"missing: no such folder$"):
         find_checkpoints(run_dir / "missing")
 
 

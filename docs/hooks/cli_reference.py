@@ -1,8 +1,11 @@
-"""MkDocs hook: the command-line reference, rendered from the ``tatblimp`` argparse parsers at build time.
+"""The command-line reference, rendered from the ``tatblimp`` argparse parsers: committed into the page, and
+renewed at every site build (an MkDocs hook).
 
-``docs/reference/cli.md`` holds the marker ``<!-- cli-reference -->``; this hook replaces it with every
-command's usage and options, read from ``tatblimp_callback.cli.build_parser()``. A subcommand or option
-added to the parsers appears here without anyone editing the page, so the reference cannot drift.
+``docs/reference/cli.md`` holds the rendered reference between ``BEGIN`` and ``END``, so a reader of the repository
+sees every option too. ``tests/test_docs_reference.py`` fails when the committed copy differs from what the parsers
+give; after a parser changes, rewrite it with ``python docs/hooks/cli_reference.py`` (from the repository's root, in
+the project's environment). At build time the hook replaces the copy with a fresh rendering, so the site cannot
+drift even where the committed copy has.
 """
 
 from __future__ import annotations
@@ -13,27 +16,49 @@ import os
 import sys
 from pathlib import Path
 
-from mkdocs.exceptions import PluginError
-
 REPO = str(Path(__file__).resolve().parents[2])
 
 PAGE = "reference/cli.md"
-MARKER = "<!-- cli-reference -->"
+BEGIN = "<!-- cli-reference: generated from the parsers by `python docs/hooks/cli_reference.py`; do not edit -->"
+END = "<!-- /cli-reference -->"
 USAGE_WIDTH = "80"  # argparse wraps the usage line at $COLUMNS; 80 fits the page's code width
 
 
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
     if page.file.src_uri != PAGE:
         return markdown
-    if MARKER not in markdown:
-        raise PluginError(f"{PAGE} has lost its {MARKER} marker: the generated command-line reference has no place")
+    try:
+        return with_reference(markdown, current_reference())
+    except ValueError as err:
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError(str(err)) from None
+
+
+def current_reference() -> str:
+    """``render_cli`` of this checkout's parsers."""
     # The package of this checkout, whatever else is installed (mkdocstrings reads its sources from "." too);
     # added here, since MkDocs restores sys.path after loading a hook.
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     from tatblimp_callback.cli import build_parser
 
-    return markdown.replace(MARKER, render_cli(build_parser()))
+    return render_cli(build_parser())
+
+
+def committed_reference(markdown: str) -> str:
+    """The reference between the page's markers (ValueError when they are missing)."""
+    if markdown.count(BEGIN) != 1 or markdown.count(END) != 1 or markdown.index(BEGIN) > markdown.index(END):
+        raise ValueError(f"{PAGE} has lost its markers {BEGIN} ... {END}: the command-line reference has no place")
+    return markdown[markdown.index(BEGIN) + len(BEGIN) : markdown.index(END)].strip("\n")
+
+
+def with_reference(markdown: str, reference: str) -> str:
+    """``markdown`` with ``reference`` between its markers."""
+    committed_reference(markdown)  # the markers are there
+    head, tail = markdown[: markdown.index(BEGIN) + len(BEGIN)], markdown[markdown.index(END) :]
+    body = reference.strip("\n")
+    return f"{head}\n\n{body}\n\n{tail}"
 
 
 def render_cli(parser: argparse.ArgumentParser) -> str:
@@ -108,3 +133,11 @@ def _escape_markdown(text: str) -> str:
     for char in "\\`*_[]|":
         text = text.replace(char, "\\" + char)
     return html.escape(text, quote=False)
+
+
+if __name__ == "__main__":  # rewrite the committed reference: python docs/hooks/cli_reference.py
+    path = Path(REPO) / "docs" / PAGE
+    text = path.read_text(encoding="utf-8")
+    updated = with_reference(text, current_reference())
+    path.write_text(updated, encoding="utf-8")
+    print(f"{path}: {'rewritten' if updated != text else 'already up to date'}")

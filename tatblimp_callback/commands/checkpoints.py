@@ -58,7 +58,7 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[Checkpoint]:
     ``config.json`` (or a PEFT adapter's ``adapter_config.json``), by step."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise SweepError(f"{run_dir}: not a folder")
+        raise SweepError(f"{run_dir}: {'a file, not a run folder' if run_dir.exists() else 'no such folder'}")
     by_step: dict[int, Path] = {}
     for child in sorted(run_dir.iterdir()):
         if not child.is_dir() or not ((child / "config.json").is_file() or is_adapter_folder(child)):
@@ -159,6 +159,23 @@ def no_checkpoints_message(run_dir: str | os.PathLike) -> str:
     return message + (
         "; a Trainer saves checkpoints only with save_steps (TrainingArguments(save_strategy='steps', save_steps=N); "
         "the demo: examples/train_tiny_tatar.py --save-steps N)"
+    )
+
+
+def run_folder_message(folder: str | os.PathLike) -> str | None:
+    """One line for a run folder given where one model is wanted (``score``, ``explain``, ``report --model``): its
+    checkpoints by name and what to give instead; None for a model folder or a folder without checkpoints."""
+    folder = Path(folder)
+    if (folder / "config.json").is_file() or is_adapter_folder(folder):
+        return None
+    checkpoints = _checkpoints_or_none(folder)
+    if not checkpoints:
+        return None
+    names = [c.name for c in checkpoints]
+    listed = ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
+    return (
+        f"{folder}: a training run's folder with {len(names)} checkpoint(s) ({listed}), not a model folder; give one "
+        f"checkpoint's folder ({folder / names[-1]}), or score them all with `tatblimp sweep {folder}`"
     )
 
 

@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..reading.data import Benchmark
+from ..reading.data import Benchmark, did_you_mean
 from ..reading.option_types import natural_int, positive_int
 
 if TYPE_CHECKING:  # torch comes with them: `tatblimp explain --help` does without
@@ -29,11 +29,12 @@ if TYPE_CHECKING:  # torch comes with them: `tatblimp explain --help` does witho
     from ..results.token_results import PairTokens
 
 LN2 = math.log(2)
+PROGRESS_PART, PROGRESS_PARTS = 32, 20  # with a progress bar: parts of 32 pairs or more, 20 at most
 RESET, BOLD, EDIT, HIGH, MEDIUM = "\033[0m", "\033[1m", "\033[30;43m", "\033[31m", "\033[33m"
 
 
 def score_pairs(
-    model, tokenizer, benchmark: Benchmark, indices: Sequence[int], **options
+    model, tokenizer, benchmark: Benchmark, indices: Sequence[int], progress: bool = False, **options
 ) -> dict[int, tuple[PairResult, PairTokens]]:
     """Score only the pairs ``indices`` of ``benchmark`` with their token-level results.
 
@@ -42,6 +43,8 @@ def score_pairs(
         tokenizer: its tokenizer (decodes the token texts too).
         benchmark: the benchmark the indices refer to (file order).
         indices: pair indices to score.
+        progress: a progress bar on stderr, the pairs scored in parts of ``PROGRESS_PART`` pairs or more (the
+            head method timed, and the weights labelled, once, by the first part). Without it, one part.
         options: ``Evaluator`` options (``prefix_token_id``, ``memory_budget``, ``truncate``).
 
     Returns:
@@ -52,9 +55,28 @@ def score_pairs(
     indices = list(dict.fromkeys(indices))
     if not indices:
         return {}
-    subset = benchmark.pick(indices)
-    results = Evaluator(tokenizer, subset, include_tokens=True, allow_modified=True, **options)(model)
-    return {index: (results.pairs[k], results.pair_tokens[k]) for k, index in enumerate(indices)}
+    size = max(PROGRESS_PART, -(-len(indices) // PROGRESS_PARTS)) if progress else len(indices)
+    parts = [indices[start : start + size] for start in range(0, len(indices), size)]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(indices), desc="tatblimp scoring pairs", unit="pair", file=sys.stderr)
+    scored, weights = {}, None
+    try:
+        for part in parts:
+            subset = benchmark.pick(part)
+            results = Evaluator(tokenizer, subset, include_tokens=True, allow_modified=True, **options)(model, weights=weights)
+            scored.update((index, (results.pairs[k], results.pair_tokens[k])) for k, index in enumerate(part))
+            weights = results.run_info.get("weights")
+            if results.run_info.get("head_method") and not options.get("head_method"):
+                options = {**options, "head_method": results.run_info["head_method"]}  # timed once
+            if bar is not None:
+                bar.update(len(part))
+    finally:
+        if bar is not None:
+            bar.close()
+    return {index: scored[index] for index in indices}
 
 
 def normalised_margin(pair: PairResult) -> float:
@@ -201,7 +223,8 @@ def choose_pairs(args: argparse.Namespace, benchmark: Benchmark) -> tuple[list[i
     if not args.phenomenon or not args.worst:
         raise ValueError("name the pairs: --pair N, or --phenomenon NAME --worst K")
     if args.phenomenon not in benchmark.phenomena:
-        raise ValueError(f"--phenomenon {args.phenomenon}: no such phenomenon ({', '.join(benchmark.phenomena)})")
+        hint = did_you_mean(args.phenomenon, benchmark.phenomena)
+        raise ValueError(f"--phenomenon {args.phenomenon}: no such phenomenon{hint} ({', '.join(benchmark.phenomena)})")
     return [i for i, p in enumerate(benchmark.pairs) if p.phenomenon == args.phenomenon], True
 
 

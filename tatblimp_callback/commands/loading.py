@@ -19,6 +19,7 @@ from ..reading.option_types import natural_int, positive_int
 from ..tokenized.tokenization import SentencePieceTokenizer
 from .adapters import adapter_base_model, is_adapter_folder, load_adapter_model
 from .backends import add_backend_arguments, uses_vllm
+from .checkpoints import run_folder_message
 from .outputs import quiet_progress_bars
 from .placement import add_placement_arguments, placement_options
 
@@ -109,7 +110,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | None = None, dtype
             return model.eval()  # placed by accelerate's dispatch (peft's, for the adapter's weights)
         return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
     if folder is not None and not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json; not a model folder saved with save_pretrained")
+        message = run_folder_message(folder) or f"{folder}: no config.json; not a model folder saved with save_pretrained"
+        raise FileNotFoundError(message)
     if folder is not None:
         from ..engine.model_checks import check_causal_config
 
@@ -203,6 +205,8 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str:
     Checks ``model`` first, so that a missing model folder is reported as such.
     """
     model_folder = check_folder_or_hub_id(model, "model")
+    if model_folder is not None and (message := run_folder_message(model_folder)):
+        raise FileNotFoundError(message)  # not "has no tokenizer", then with --tokenizer "no config.json"
     if tokenizer is not None:
         return tokenizer
     if model_folder is not None and not has_tokenizer_files(model_folder):

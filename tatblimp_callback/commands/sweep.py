@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import fields, replace
@@ -108,6 +109,8 @@ def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, rev
         raise ValueError(
             "max_wait (--max-wait) needs watch (--watch): without it the sweep ends once the checkpoints there are scored"
         )
+    if options.revisions is not None:
+        check_revision_pattern(options.revisions)
     if options.revisions and options.watch:
         raise ValueError("watch (--watch) polls a run folder; a sweep over Hub revisions (--revisions) scores those listed")
     if not options.revisions and (options.x or options.results or not options.keep_downloads):
@@ -142,6 +145,20 @@ def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, rev
     return report
 
 
+def check_revision_pattern(pattern: str) -> None:
+    """ValueError for a ``revisions`` pattern that names nothing (``''``) or holds a glob that cannot be read
+    (``'step['``: a ``[`` without its ``]``), before any Hub repository or run folder is looked at."""
+    items = [item.strip() for item in pattern.split(",")]
+    if not any(items):
+        raise ValueError(f"--revisions {pattern!r} names no revision: give names or globs, e.g. --revisions 'step*'")
+    for item in items:
+        if re.search(r"\[(?![^\]]*\])", item.replace("[]]", "")):  # fnmatch would take the [ as a plain character
+            raise ValueError(
+                f"--revisions {pattern!r}: the pattern {item!r} is malformed, a [ without its ] (a set of characters "
+                "is [0-9]; the globs are * and ?)"
+            )
+
+
 class _RunFolder:
     """A training run's folder as a sweep's checkpoints: polled until complete (``revision_sweep.RevisionSeries``
     is the other kind, a Hub repository's revisions)."""
@@ -149,6 +166,7 @@ class _RunFolder:
     axis = "step"
 
     def __init__(self, run_dir: Path, options: SweepOptions, device: str | None):
+        self.run_dir = run_dir
         self.options = options
         self.results_path = run_dir / RESULTS_FILE
         self.failures_path = run_dir / FAILURES_FILE
@@ -175,6 +193,13 @@ class _RunFolder:
         pass
 
 
+def _waiting_line(run_dir: Path, options: SweepOptions, incomplete: list[str]) -> str:
+    """What a watching sweep waits for, said once when it has nothing to score."""
+    line = f"tatblimp sweep: watching {run_dir} for new checkpoints (every {options.poll_interval:g} s"
+    line += f"; stops after {options.max_wait:g} s without one)" if options.max_wait is not None else "; Ctrl-C stops)"
+    return line + (f"; not complete yet: {', '.join(incomplete)}" if incomplete else "")
+
+
 def _poll(source: Any, done: set[str], settled: bool, report: SweepReport) -> tuple | SweepError:
     try:
         return source.poll(done, settled, report)
@@ -195,7 +220,7 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
     )
     bar = None
     last_new = time.monotonic()
-    settled = False
+    settled = said_waiting = False
     try:
         while True:
             polled = _poll(source, done, settled, report) if first else None
@@ -253,6 +278,9 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
             stop = not options.watch or (options.max_wait is not None and time.monotonic() - last_new >= options.max_wait)
             if processes.from_first(stop):
                 break
+            if first and options.progress and not todo and not said_waiting:  # once: what the silence is
+                tqdm.write(_waiting_line(source.run_dir, options, report.incomplete), file=sys.stderr)
+                said_waiting = True
             time.sleep(options.poll_interval)
     except KeyboardInterrupt:
         if not options.watch:

@@ -99,7 +99,13 @@ def add_tokenizers_parser(commands) -> None:
     parser.add_argument("--output", help="write the figures as JSON here (missing folders are created)")
     parser.add_argument("--include-pairs", action="store_true", help="with --output: each pair's edit and figures too")
     add_suite_arguments(parser)
-    parser.set_defaults(run=run_tokenizers)
+    parser.set_defaults(run=run_tokenizers, usage_problem=_usage_problem)
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    if args.include_pairs and not args.output:  # the terminal shows totals only: the pairs would go nowhere
+        return "--include-pairs goes with --output (the per-pair figures are written to that JSON file only)"
+    return None
 
 
 def run_tokenizers(args: argparse.Namespace) -> None:

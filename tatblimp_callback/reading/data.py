@@ -154,7 +154,8 @@ class Benchmark:
             raise BenchmarkError(f"limit must be at least 1, got {limit}")
         unknown = [name for name in phenomena or () if name not in self.phenomena]
         if unknown:
-            raise BenchmarkError(f"{self.source}: no phenomenon {', '.join(unknown)} (phenomena: {', '.join(self.phenomena)})")
+            named = ", ".join(name + did_you_mean(name, self.phenomena) for name in unknown)
+            raise BenchmarkError(f"{self.source}: no phenomenon {named} (phenomena: {', '.join(self.phenomena)})")
         kept, seen = [], dict.fromkeys(self.phenomena, 0)
         for pair in self.pairs:
             if (not phenomena or pair.phenomenon in phenomena) and (limit is None or seen[pair.phenomenon] < limit):
@@ -236,7 +237,7 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
 
 def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     """Parse the bytes of a JSONL benchmark file; ``name`` is used in error messages."""
-    text = decode_utf8(raw, name)
+    text = decode_utf8(raw, name)  # a byte-order mark is refused (json_record says how to save without one)
     # JSON Lines ends a line at "\n" only: str.splitlines() would also split inside a string
     # holding U+2028 or a form feed, and shift every line number after it.
     lines = text.rstrip("\r\n").split("\n") if text.strip() else []
@@ -248,6 +249,14 @@ def parse_pairs(raw: bytes, name: str) -> list[Pair]:
     if not pairs:
         raise BenchmarkError(f"{name}: the file holds no pairs")
     return pairs
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the name of ``known`` closest to a mistyped ``name`` (``bindng``), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def decode_utf8(raw: bytes, name: str) -> str:
@@ -284,6 +293,9 @@ def json_record(line: str, where: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
+        if err.msg.startswith("Unexpected UTF-8 BOM"):  # json's own hint, "decode using utf-8-sig", is for programmers
+            fix = "save the file as UTF-8 without a byte-order mark"
+            raise BenchmarkError(f"{where}: invalid JSON (a byte-order mark starts the line; {fix})") from None
         raise BenchmarkError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
     except RecursionError:
         raise BenchmarkError(f"{where}: invalid JSON (nested too deeply)") from None

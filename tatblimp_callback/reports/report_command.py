@@ -8,6 +8,7 @@ pairs the page lists (``report.py`` builds the page).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from ..reading.option_types import accuracy, natural_int
@@ -77,6 +78,9 @@ def add_report_parser(commands) -> None:
         action="store_false",
         help="side by side only: no paired tests between the runs (results of other benchmark files or selections)",
     )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="with --model: no progress bar while it scores"
+    )
     add_model_arguments(parser)
     parser.set_defaults(run=run_report)
 
@@ -91,7 +95,7 @@ def run_report(args: argparse.Namespace) -> None:
     details = None
     if args.model:
         from ..commands.explain import score_pairs
-        from ..commands.loading import load_from_args
+        from ..commands.loading import load_from_args, tokenizer_source
 
         benchmark = scored_benchmark(runs[0].record, args.data)  # the pairs scored: their selection, their mapping
         if benchmark is None:
@@ -100,12 +104,17 @@ def run_report(args: argparse.Namespace) -> None:
                 f"{source}: not the pairs {runs[0].path} was scored on (another file, selection or column mapping); "
                 "--model scores the pairs again: pass --data with the file they were scored on"
             )
+        pairs = report_pairs(runs, steps)
+        tokenizer_source(args.model, args.tokenizer)  # the paths checked, loading nothing: its error, not "loading"
+        if args.progress:  # loading a big model takes a while too: said before it starts
+            print(f"tatblimp report: loading {args.model} to score the {len(set(pairs))} pairs listed", file=sys.stderr)
         _, tokenizer, model = load_from_args(args, args.model)  # every loader option of score (device map, ...)
         details = score_pairs(
             model,
             tokenizer,
             benchmark,
-            report_pairs(runs, steps),
+            pairs,
+            progress=args.progress,
             prefix_token_id=args.prefix_token_id,
             truncate=args.truncate,
             head_method=args.head_method,

@@ -95,9 +95,17 @@ def load_run(path: str | os.PathLike, label: str | None = None, step: int | None
     """Read a ``score --output`` JSON file or a JSONL file of records with ``step`` (sweep, callback history)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as err:
         raise CompareError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (an editor's) is read past
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise CompareError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at {err.start}); expected TatBLiMP results: "
+            "a score --output JSON file, or JSON lines of a sweep or a callback history"
+        ) from None
     if not label and path.name.endswith(HUB_SWEEP_SUFFIX):  # a sweep of Hub revisions: org--name.tatblimp.jsonl
         label = path.name.removesuffix(HUB_SWEEP_SUFFIX)
     label = label or (path.parent.name if path.name in JSONL_NAMES and path.parent.name else path.stem)
@@ -203,7 +211,9 @@ def load_runs(specs: list[str | os.PathLike], step: int | None = None) -> list[R
 
     ``STEP`` of a revision series may be a count as its names write it (``@4B``) or a revision's name
     (``@step1000-tokens4B``). A run picked by ``@STEP`` is labelled ``<label>@<STEP>``; runs with the same label are
-    told apart by the shortest ending of their paths that differs (``v1000/tiny-tatar``, ``v4000/tiny-tatar``);
+    told apart by the shortest ending of their paths that differs (``v1000/tiny-tatar``, ``v4000/tiny-tatar``), two
+    files of one folder by folder and file name (``tiny-tatar/tatblimp.jsonl``, ``tiny-tatar/tatblimp_history.jsonl``),
+    the same file at the same step twice by a number (``tiny-tatar#1``, ``tiny-tatar#2``): labels always differ.
     ``Run.path`` keeps the path. A file named twice (``P@0 P``) is read once.
     """
     runs, picks, read = [], [], {}
@@ -229,23 +239,33 @@ def load_runs(specs: list[str | os.PathLike], step: int | None = None) -> list[R
     labels = [run.label for run in runs]
     for label in {label for label in labels if labels.count(label) > 1}:
         same = [i for i, run in enumerate(runs) if run.label == label]
-        parts = {i: _label_parts(runs[i].path) for i in same}
-        for length in range(1, max(len(p) for p in parts.values()) + 1):
-            endings = ["/".join(parts[i][-length:]) + picks[i] for i in same]
-            if len(set(endings)) == len(endings):
-                break
-        else:  # the same file at the same step twice: nothing tells them apart
-            endings = [runs[i].label for i in same]
+        endings = _distinct_endings({i: _label_parts(runs[i].path) for i in same}, picks, same)
+        # Two files of one folder (tatblimp.jsonl, the sweep, beside tatblimp_history.jsonl): folder and file name.
+        whole = {i: _label_parts(runs[i].path, whole_name=True) for i in same}
+        endings = endings or _distinct_endings(whole, picks, same, shortest=2)
+        # The same file at the same step twice: numbered, so that no run hides another.
+        endings = endings or [f"{label}#{n}" for n in range(1, len(same) + 1)]
         for i, ending in zip(same, endings):
             runs[i].label = ending
     return runs
 
 
-def _label_parts(path: Path) -> list[str]:
+def _distinct_endings(parts: dict[int, list[str]], picks: list[str], same: list[int], shortest: int = 1) -> list[str] | None:
+    """The shortest endings of ``parts`` (``shortest`` names or more, with their ``@STEP``) that differ, or None."""
+    for length in range(shortest, max(len(p) for p in parts.values()) + 1):
+        endings = ["/".join(parts[i][-length:]) + picks[i] for i in same]
+        if len(set(endings)) == len(endings):
+            return endings
+    return None
+
+
+def _label_parts(path: Path, whole_name: bool = False) -> list[str]:
     """The names a run's label is made of, outermost first: its folders, then its file name as ``load_run``
-    labels it (none for ``tatblimp.jsonl``, whose folder names the run)."""
+    labels it (none for ``tatblimp.jsonl``, whose folder names the run; ``whole_name``: the file's whole name)."""
     path = Path(os.path.abspath(path))
-    if path.name in JSONL_NAMES:
+    if whole_name:
+        last = [path.name]
+    elif path.name in JSONL_NAMES:
         last = []
     elif path.name.endswith(HUB_SWEEP_SUFFIX):
         last = [path.name.removesuffix(HUB_SWEEP_SUFFIX)]
