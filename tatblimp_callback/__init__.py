@@ -38,7 +38,7 @@ _WHERE = {
     "load_benchmark": ".reading.data",
     "Suite": ".reading.suites",
     "load_suite": ".reading.suites",
-    "GroupResult": ".results.metrics",
+    "GroupResult": ".results.group_metrics",
     "PairResult": ".results.metrics",
     "Results": ".results.metrics",
     "compute_results": ".results.metrics",
@@ -106,7 +106,8 @@ if TYPE_CHECKING:  # for type checkers and the API docs (griffe reads these impo
     from .evaluation import Evaluator, evaluate
     from .reading.data import Benchmark, BenchmarkError, Pair, load_benchmark
     from .reading.suites import Suite, load_suite
-    from .results.metrics import GroupResult, PairResult, Results, compute_results
+    from .results.group_metrics import GroupResult
+    from .results.metrics import PairResult, Results, compute_results
     from .tokenized.cache import SentenceCache, build_cache
     from .tokenized.tokenization import SentencePieceTokenizer, TokenizationError
     from .training.callback import TatBLiMPCallback

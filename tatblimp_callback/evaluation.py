@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,11 +13,12 @@ import torch
 
 from .engine import distributed
 from .engine.exact_decisions import decide_exactly
-from .engine.model_checks import input_device, weights_label
+from .engine.kept_scorer import scorer_for
+from .engine.model_checks import weights_label
 from .engine.precision import check_precision, precision_name
 from .engine.scored_spans import Spans
 from .engine.scoring import Scorer, ScoringMethod, unwrap_model
-from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine, vllm_scorer_for
+from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine
 from .engine.word_surprisal import add_region_surprisal
 from .reading.data import Benchmark
 from .reading.suites import Suite, load_suite
@@ -25,14 +26,6 @@ from .results.metrics import Results, compute_results
 from .results.provenance import provenance
 from .results.token_results import pair_tokens
 from .tokenized.cache import SentenceCache, build_cache, concat_caches
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Where the cache goes: the model's device; with a ``device_map`` (``hf_device_map``), its input embeddings'."""
-    lm = unwrap_model(model)
-    if getattr(lm, "hf_device_map", None):
-        return input_device(lm)
-    return next(lm.parameters()).device
 
 
 class Evaluator:
@@ -297,31 +290,6 @@ class Evaluator:
             return None
         run_info["exact_decisions"] = exact[2]
         return exact[0], exact[1]
-
-
-def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:
-    """``evaluator._scorer`` for ``model``, made once per model (``Scorer(model, cache, **options)``).
-
-    The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
-    and moved there when it is elsewhere; the scorer is made again when the model moved to another
-    device or dtype since it was made, or when ``options`` (the evaluator's ``memory_budget``, ``truncate``,
-    ``method``) changed.
-    """
-    if getattr(evaluator, "backend", None) == "vllm" or is_vllm_engine(model):
-        return vllm_scorer_for(evaluator, model, build, options.get("truncate", False))
-    device = model_device(model)
-    if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
-        device = torch.device("cpu")
-    if evaluator.cache is None:
-        evaluator.cache = build(device)
-    elif evaluator.cache.device != device:
-        evaluator.cache = evaluator.cache.to(device)
-    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its
-    # own; so do options changed since (``evaluator.memory_budget = ...``): the scorer would keep its own.
-    scorer = evaluator._scorer
-    if scorer is None or not scorer.serves(model) or getattr(evaluator, "_scorer_options", None) != options:
-        evaluator._scorer, evaluator._scorer_options = Scorer(model, evaluator.cache, **options), options
-    return evaluator._scorer
 
 
 def timed_score(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..reading.data import Benchmark
-from ..results.metrics import grouped, overall_metric
+from ..results.group_metrics import grouped, overall_metric
 
 LETTERS = ("A", "B")
 ORDERS = ("good_first", "bad_first")  # item 2*i + o uses ORDERS[o]; the right answer is LETTERS[o]

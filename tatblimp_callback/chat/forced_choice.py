@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from ..engine import distributed
+from ..engine.kept_scorer import scorer_for
 from ..engine.scoring import Scorer, ScoringMethod
-from ..evaluation import scorer_for, timed_score
+from ..evaluation import timed_score
 from ..reading.data import Benchmark, Pair, load_benchmark
 from ..tokenized.cache import SentenceCache, cache_fingerprint, cache_from_token_lists
 from ..tokenized.tokenization import TokenizationError, tokenizer_name

@@ -12,7 +12,8 @@ answer), which are then read out:
 Before the first evaluation it chooses the fastest scoring method (``scoring_method``) whose numbers equal a
 plain one-sequence-at-a-time forward of the whole model on a sample (below float32: or are as close to its
 float32 truth, ``precision``), and checks it again once the weights have moved. One memory budget, one
-out-of-memory retry, one re-scoring of non-finite sequences and one distributed lockstep serve both protocols.
+out-of-memory retry, one re-scoring of non-finite sequences and one distributed lockstep (``scoring_pass``) serve
+both protocols.
 On a GPU the plan's forward calls are replayed as CUDA graphs (``cuda_graphs``).
 """
 
@@ -53,6 +54,7 @@ from .packing import Batch, Layout, TokenSequences, build_layout
 from .precision import computing_in, float32_truth, scoring_precision, weights_dtype
 from .scored_spans import SpanReader
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
+from .scoring_pass import score_cells
 from .tiled_head import head_tile, plain_head_weight
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
@@ -146,7 +148,7 @@ class Scorer:
             sample=sample,
             heads=self._heads,
             reference=lambda sequences: reference_readout(self._forward, self.cache, sequences),
-            readout=lambda method, sequences: self.cells.reduce(self._score_cells(method, sequences))[sequences],
+            readout=lambda method, sequences: self.cells.reduce(score_cells(self, method, sequences))[sequences],
             reads_positions=self._forward_reads_positions,
             tokens=torch.tensor([self.cache.lengths[s] - 1 for s in sample]),
             rtol=lambda: relative_tolerance(self._dtype(), self.cache.device),
@@ -248,7 +250,7 @@ class Scorer:
             self.head.begin(layout, bool(self.cache.answer_ids), self._head_weight(), self._dtype(), self.memory_budget, setup)
         if self.spans is not None:
             self.spans.begin()
-        cells = self._score_cells(self.method, sequences, split=True, keep_layout=True, spans=self.spans)
+        cells = score_cells(self, self.method, sequences, split=True, keep_layout=True, spans=self.spans)
         self.head.finish()
         if self.keep_token_logprobs and not self.cache.answer_ids:
             self._token_cells = cells
@@ -337,41 +339,6 @@ class Scorer:
         if keep or sequences is None:
             self._layouts[key] = layout
         return layout
-
-    def _score_cells(
-        self, method: ScoringMethod, sequences: range | list[int] | None = None, split=None, keep_layout=False, spans=None
-    ) -> torch.Tensor:
-        """The log-prob of every scored token (sentences) or answer (prompts), one cell each, written once
-        (zeros where nothing is read): sequence ``s``'s cells start at ``self.cells.starts[s]``, in token (or answer) order.
-
-        Across processes (``split``, default: all sequences) the batches are dealt out and the cells added up (each
-        cell comes from one process, zeros from the others: exact); otherwise (the method check's sample) every process
-        runs them all. A filler batch only keeps a sharded model's forward calls in step. Each batch is built when it is
-        read and freed before the next; the kept plan's (``keep_layout``) may be CUDA graphs' replays. With ``spans``
-        (``scored_spans.SpanReader``) their sequences' context tokens are not read, and their greedy flags are kept.
-        """
-        cells = self.cells.empty()
-        layout = self._layout(method, sequences, keep=keep_layout)
-        split = (sequences is None if split is None else split) and not self.tensor_parallel
-        graphs = keep_layout and self.graphs.batches(layout, (method, self.head_method), self.head.choosing, spans)
-        for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=self.sharded):
-            logprobs = self.graphs.logprobs(batch, self, method.head, None if is_filler else spans)
-            if not is_filler:
-                self.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
-            del batch, logprobs  # before the next batch is built: one batch's tensors at a time
-        cells = distributed.sum_over_processes(cells) if split else cells
-        if spans is not None and split:
-            spans.misses = distributed.sum_over_processes(spans.misses)
-        if method.layout != "padded":
-            cells = self._rescore_non_finite(cells, method.head, spans)
-        return cells
-
-    def _rescore_non_finite(self, cells: torch.Tensor, head: str, spans=None) -> torch.Tensor:
-        """Score again, one sequence a row, the sequences with a NaN or inf log-prob (``Cells.non_finite`` says why)."""
-        bad, theirs = self.cells.non_finite(cells)
-        if bad:
-            cells[theirs] = self._score_cells(ScoringMethod("padded", head), bad, spans=spans)[theirs]
-        return cells
 
     def _batch_logprobs(self, batch: Batch, head: str, spans=None) -> torch.Tensor:
         """log p(target | context) of every (context, target) the batch scores, in float32, on the cache's device

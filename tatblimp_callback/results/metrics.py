@@ -14,44 +14,16 @@ compared pair by pair.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from ..reading.edit import find_edit
 from ..tokenized.cache import SentenceCache
-from .stats import encode_outcomes, format_interval, run_lengths, wilson_interval
+from .group_metrics import GroupResult, group_result, grouped
+from .stats import encode_outcomes, format_interval, run_lengths
 from .token_results import add_token_fields
-
-
-@dataclass
-class GroupResult:
-    """Metrics of one group of pairs (a phenomenon, a subtype, or all)."""
-
-    n: int  # pairs with finite log-probs (the denominator)
-    acc: float
-    acc_norm: float
-    mean_margin: float  # mean of logP(good) - logP(bad), nats
-    ties: int  # pairs with logP(good) == logP(bad)
-    ties_norm: int
-    non_finite: int = 0  # pairs left out because a log-prob was NaN or inf
-
-    # acc = passed / n exactly (a float mean of n booleans), so round(acc * n) is the count of passed pairs.
-    @property
-    def acc_ci(self) -> tuple[float, float]:
-        """95% Wilson interval of ``acc``."""
-        return wilson_interval(round(self.acc * self.n), self.n) if self.n else (math.nan, math.nan)
-
-    @property
-    def acc_norm_ci(self) -> tuple[float, float]:
-        """95% Wilson interval of ``acc_norm``."""
-        return wilson_interval(round(self.acc_norm * self.n), self.n) if self.n else (math.nan, math.nan)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields and both intervals (``[low, high]``)."""
-        return {**asdict(self), "acc_ci": list(self.acc_ci), "acc_norm_ci": list(self.acc_norm_ci)}
 
 
 @dataclass
@@ -359,7 +331,7 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
     subtype_index = cache.subtype_index.cpu().numpy()
 
     def group(mask: np.ndarray) -> GroupResult:
-        return _group_result(decided_good[mask], decided_bad[mask], good_bytes[mask], bad_bytes[mask])
+        return group_result(decided_good[mask], decided_bad[mask], good_bytes[mask], bad_bytes[mask])
 
     overall, phenomena = grouped(group, phenomenon_index, cache.phenomena)
     return Results(
@@ -396,38 +368,4 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
         benchmark_fingerprint=cache.benchmark_fingerprint,
         benchmark_columns=cache.benchmark_columns,
         edit_aligned=cache.edit_aligned,
-    )
-
-
-G = TypeVar("G")
-
-
-def overall_metric(name: str) -> property:
-    """A read-only property giving ``self.overall.<name>``: a results object's headline numbers."""
-    return property(lambda self: getattr(self.overall, name), doc=f"``overall.{name}``")
-
-
-def grouped(summarise: Callable[[np.ndarray], G], group_index: np.ndarray, names: Sequence[str]) -> tuple[G, dict[str, G]]:
-    """``summarise(mask)`` over all pairs, and over each named group of them (both protocols' results use it).
-
-    ``mask`` is a boolean array over pairs; ``group_index[i]`` is pair ``i``'s index in ``names``
-    (-1: in no group).
-    """
-    overall = summarise(np.ones(len(group_index), dtype=bool))
-    return overall, {name: summarise(group_index == i) for i, name in enumerate(names)}
-
-
-def _group_result(good, bad, good_bytes, bad_bytes) -> GroupResult:
-    finite = np.isfinite(good) & np.isfinite(bad)
-    good, bad, good_bytes, bad_bytes = good[finite], bad[finite], good_bytes[finite], bad_bytes[finite]
-    n = int(finite.sum())
-    good_norm, bad_norm = good / good_bytes, bad / bad_bytes
-    return GroupResult(
-        n=n,
-        acc=float((good > bad).mean()) if n else math.nan,
-        acc_norm=float((good_norm > bad_norm).mean()) if n else math.nan,
-        mean_margin=float((good - bad).mean()) if n else math.nan,
-        ties=int((good == bad).sum()),
-        ties_norm=int((good_norm == bad_norm).sum()),
-        non_finite=int((~finite).sum()),
     )

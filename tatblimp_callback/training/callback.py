@@ -30,14 +30,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..engine.precision import check_precision, training_autocast_dtype
+from ..engine.precision import training_autocast_dtype
 from ..evaluation import Evaluator
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options, reporting
 from .in_loop import HISTORY_FILE, InLoopMonitor, MonitoredResults, refuse_shared_history_file
-from .suite_schedule import check_suite_options, never_logged, unscored_placeholders
+from .suite_schedule import never_logged, unscored_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -215,15 +215,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     the plan spend a reserve, so the guarantee holds either way (see the long-runs guide)."""
 
     def __post_init__(self):
-        self._every = callback_options.check_eval_steps(self.eval_steps)
-        callback_options.check_alert_evaluations(self.alert_evaluations)
-        callback_options.check_speed_options(self.cuda_graphs, self.compile)
-        check_precision(self.precision)
-        if self.protocol not in ("logprob", "forced-choice", "both"):
-            raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
-        if self.report_file is not None and self.history_file is None:
-            raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
-        check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
+        self._every = callback_options.check_options(self)
         self._monitor = InLoopMonitor(self)
         self._wandb = reporting.WandbSection(list(self._monitor.prefixes()))
         self._warned_unreachable = False
@@ -273,7 +265,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     def _begin(self, args, state, model, processing_class, history_file: bool) -> None:
         """Find the Trainer, check the settings, open the history file (``history_file``), build the evaluators."""
         self._started = True
-        self._trainer = self._running_trainer(state)
+        self._trainer = reporting.running_trainer(self.trainer, state)
         if not self.eval_on_evaluate and self._monitor.is_our_metric(getattr(args, "metric_for_best_model", None)):
             raise ValueError(
                 f"metric_for_best_model={args.metric_for_best_model!r} needs TatBLiMPCallback(eval_on_evaluate=True)"
@@ -360,18 +352,6 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
         self._finished = False
         self._trainer = None
         self._wandb.reset()
-
-    def _running_trainer(self, state):
-        """``trainer``, if it is the one running this callback (not one it was attached to before)."""
-        if self.trainer is None:
-            return None
-        if self.trainer.state is not state:
-            logger.warning(
-                "tatblimp: the callback's trainer= does not hold it (another Trainer runs it); "
-                "its results reach state.log_history, wandb, the console and the history file only"
-            )
-            return None
-        return self.trainer
 
     def _finish(self, args, state) -> None:
         """The end of training: acquisition steps, and the wandb table and summary."""

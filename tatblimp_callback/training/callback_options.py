@@ -1,6 +1,7 @@
-"""``TatBLiMPCallback`` settings that follow the Trainer's conventions: ``eval_steps`` as a count or a
-fraction of the run's steps, and file names relative to ``output_dir``; the run's planned number of evaluations
-(``planned_evaluations``), which the regression alerts spread their budget over."""
+"""``TatBLiMPCallback``'s settings: all of them checked when it is built (``check_options``); those that follow the
+Trainer's conventions: ``eval_steps`` as a count or a fraction of the run's steps, and file names relative to
+``output_dir``; the run's planned number of evaluations (``planned_evaluations``), which the regression alerts spread
+their budget over."""
 
 from __future__ import annotations
 
@@ -8,6 +9,27 @@ import math
 import numbers
 import os
 from pathlib import Path
+
+from ..engine.precision import check_precision
+from .suite_schedule import check_suite_options
+
+
+def check_options(options) -> int | None:
+    """Check the options of a ``TatBLiMPCallback`` being built; the steps between evaluations (``check_eval_steps``).
+
+    Raises:
+        ValueError: an option's value is invalid, named with what it should be.
+    """
+    every = check_eval_steps(options.eval_steps)
+    check_alert_evaluations(options.alert_evaluations)
+    check_speed_options(options.cuda_graphs, options.compile)
+    check_precision(options.precision)
+    if options.protocol not in ("logprob", "forced-choice", "both"):
+        raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {options.protocol!r}")
+    if options.report_file is not None and options.history_file is None:
+        raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
+    check_suite_options(options.suites, options.suite_every, options.log_prefix, options.protocol)
+    return every
 
 
 def check_eval_steps(eval_steps) -> int | None:

@@ -35,6 +35,20 @@ def _wandb_callback_class() -> type:
     return WandbCallback
 
 
+def running_trainer(trainer, state):
+    """``trainer`` (the callback's ``trainer=``), if it is the one running the callback (not one it was attached to
+    before): ``state`` is its state; else None, with a warning that the results reach fewer places."""
+    if trainer is None:
+        return None
+    if trainer.state is not state:
+        logger.warning(
+            "tatblimp: the callback's trainer= does not hold it (another Trainer runs it); "
+            "its results reach state.log_history, wandb, the console and the history file only"
+        )
+        return None
+    return trainer
+
+
 def reports_to_wandb(args, trainer) -> bool:
     """Whether this run logs to wandb: a ``WandbCallback`` (or subclass) on the Trainer, else ``report_to``."""
     if trainer is not None:

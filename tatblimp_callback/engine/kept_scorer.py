@@ -1,0 +1,50 @@
+"""The one scorer an evaluator keeps for a model: the cache put on the model's device, and the scorer made once per
+model, again only when the model moved to another device or dtype or the evaluator's options changed.
+
+``Evaluator`` and ``ForcedChoiceEvaluator`` (``chat/forced_choice.py``) keep theirs through ``scorer_for``; a vLLM
+engine's scorer is kept by ``vllm_scoring.vllm_scorer_for``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..tokenized.cache import SentenceCache
+from .model_checks import input_device
+from .scoring import Scorer, unwrap_model
+from .vllm_scoring import is_vllm_engine, vllm_scorer_for
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the cache goes: the model's device; with a ``device_map`` (``hf_device_map``), its input embeddings'."""
+    lm = unwrap_model(model)
+    if getattr(lm, "hf_device_map", None):
+        return input_device(lm)
+    return next(lm.parameters()).device
+
+
+def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device], SentenceCache], **options) -> Scorer:
+    """``evaluator._scorer`` for ``model``, made once per model (``Scorer(model, cache, **options)``).
+
+    The evaluator's ``cache`` is built on the model's device by ``build(device)`` when it has none,
+    and moved there when it is elsewhere; the scorer is made again when the model moved to another
+    device or dtype since it was made, or when ``options`` (the evaluator's ``memory_budget``, ``truncate``,
+    ``method``) changed.
+    """
+    if getattr(evaluator, "backend", None) == "vllm" or is_vllm_engine(model):
+        return vllm_scorer_for(evaluator, model, build, options.get("truncate", False))
+    device = model_device(model)
+    if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
+        device = torch.device("cpu")
+    if evaluator.cache is None:
+        evaluator.cache = build(device)
+    elif evaluator.cache.device != device:
+        evaluator.cache = evaluator.cache.to(device)
+    # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its
+    # own; so do options changed since (``evaluator.memory_budget = ...``): the scorer would keep its own.
+    scorer = evaluator._scorer
+    if scorer is None or not scorer.serves(model) or getattr(evaluator, "_scorer_options", None) != options:
+        evaluator._scorer, evaluator._scorer_options = Scorer(model, evaluator.cache, **options), options
+    return evaluator._scorer
