@@ -228,9 +228,18 @@ def fsdp_exact_scenario(workdir: Path, tokenizer, cache) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = tiny_llama(len(tokenizer))
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the weights a bf16 MixedPrecisionPolicy computes with
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    # What a bf16 MixedPrecisionPolicy computes with: the weights in bf16, the buffers (RoPE's inv_freq) as they are.
+    bf16_weights = copy.deepcopy(model)
+    for parameter in bf16_weights.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    float32 = Evaluator(cache=cache, memory_budget=BUDGET, precision="float32")
+    truth, truth_mixed = float32(bf16), float32(bf16_weights)
     out = {
-        "float32_truth": Evaluator(cache=cache, memory_budget=BUDGET, precision="float32")(bf16).outcomes(),
+        "float32_truth": truth.outcomes(),
+        "float32_truth_mixed": truth_mixed.outcomes(),
+        "float32_logprobs": [(p.good_logprob, p.bad_logprob) for p in truth.pairs],
+        "float32_logprobs_mixed": [(p.good_logprob, p.bad_logprob) for p in truth_mixed.pairs],
         "bf16_fast": Evaluator(cache=cache, memory_budget=BUDGET, exact_decisions=False)(bf16).outcomes(),
         "bf16_one_process": exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16)),
     }
@@ -242,8 +251,12 @@ def fsdp_exact_scenario(workdir: Path, tokenizer, cache) -> dict:
 
         before = {name: p.full_tensor() for name, p in sharded.named_parameters()}
         counter = count_forwards(sharded)
-        result = exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(sharded))
+        results = Evaluator(cache=cache, memory_budget=BUDGET)(sharded)
         forwards.append(counter[0])
+        result = exact_decisions(results)
+        result["float32_logprobs"] = {
+            i: (p.float32_good_logprob, p.float32_bad_logprob) for i, p in enumerate(results.pairs) if p.rescored
+        }
         # Every weight as it was: sharded, or gathered in bf16 where FSDP keeps the root's gathered after a forward
         # (none left upcast to float32).
         after = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach() for name, p in sharded.named_parameters()}

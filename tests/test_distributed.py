@@ -177,9 +177,16 @@ def test_fsdp2_bf16_decisions_equal_one_process_float32_of_the_same_weights(fsdp
     truth, one = ranks[0]["float32_truth"], ranks[0]["bf16_one_process"]
     assert ranks[0]["bf16_fast"]["acc"] != truth["acc"]  # in bf16 some decisions are rounding: what is corrected
     assert one["outcomes"] == truth
+    float32 = ranks[0]["float32_logprobs"]
+    if weights == "fsdp_mixed_precision":  # the float32 weights gathered in bf16; the buffers stay float32
+        truth, float32 = ranks[0]["float32_truth_mixed"], ranks[0]["float32_logprobs_mixed"]
     for out in ranks:
         exact = out[weights]
         assert isinstance(exact, dict), exact
+        # The rescored sentences' log-probs are float32's (FSDP's own logits against the tiled head: float32 rounding).
+        rescored = exact["float32_logprobs"]
+        error = max(abs(a - b) for i in rescored for a, b in zip(rescored[i], float32[i], strict=True))
+        assert error < 1e-4, error
         assert exact["outcomes"] == truth  # every pair decided as float32 decides it, on both ranks
         assert exact["record"]["precision"] == "bfloat16"
         assert exact["record"]["rescored_pairs"] == sum(exact["rescored"]) > 0  # the rescored pairs, named
