@@ -9,6 +9,8 @@ WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test; each rank writes
   exists; failures injected on one rank (inside scoring, before scoring, out of memory); FSDP2;
   forced choice (the same engine on prompts), sharded, under FSDP2, and with a failure while
   preparing on one rank.
+- ``fsdp_exact``: exact decisions of FSDP2 models that compute in bf16 (bf16 weights; float32 weights under a
+  bf16 ``MixedPrecisionPolicy``) against one process's float32 evaluation of the same bf16 weights.
 - ``trainer``: an HF Trainer under DDP with ``TatBLiMPCallback``; the evaluation at step 4 fails
   on rank 1 only. Afterwards rank 0 scores the saved weights of every evaluation on one process.
 """
@@ -208,6 +210,70 @@ def fsdp_scores(model, cache, out: dict, name: str, row_length: int) -> torch.Te
     return scores
 
 
+def fully_sharded(model, **options):
+    """An FSDP2 (``fully_shard``) copy of ``model``: the embedding (a module with a weight of its own), each decoder
+    layer, then the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in (sharded.model.embed_tokens, *sharded.model.layers):
+        fully_shard(module, mesh=mesh, **options)
+    fully_shard(sharded, mesh=mesh, **options)
+    return sharded
+
+
+def fsdp_exact_scenario(workdir: Path, tokenizer, cache) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = tiny_llama(len(tokenizer))
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    # What a bf16 MixedPrecisionPolicy computes with: the weights in bf16, the buffers (RoPE's inv_freq) as they are.
+    bf16_weights = copy.deepcopy(model)
+    for parameter in bf16_weights.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    float32 = Evaluator(cache=cache, memory_budget=BUDGET, precision="float32")
+    truth, truth_mixed = float32(bf16), float32(bf16_weights)
+    out = {
+        "float32_truth": truth.outcomes(),
+        "float32_truth_mixed": truth_mixed.outcomes(),
+        "float32_logprobs": [(p.good_logprob, p.bad_logprob) for p in truth.pairs],
+        "float32_logprobs_mixed": [(p.good_logprob, p.bad_logprob) for p in truth_mixed.pairs],
+        "bf16_fast": Evaluator(cache=cache, memory_budget=BUDGET, exact_decisions=False)(bf16).outcomes(),
+        "bf16_one_process": exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16)),
+    }
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    forwards, kept = [], []
+
+    def evaluate(sharded):
+        from torch.distributed.tensor import DTensor
+
+        before = {name: p.full_tensor() for name, p in sharded.named_parameters()}
+        counter = count_forwards(sharded)
+        results = Evaluator(cache=cache, memory_budget=BUDGET)(sharded)
+        forwards.append(counter[0])
+        result = exact_decisions(results)
+        result["float32_logprobs"] = {
+            i: (p.float32_good_logprob, p.float32_bad_logprob) for i, p in enumerate(results.pairs) if p.rescored
+        }
+        # Every weight as it was: sharded, or gathered in bf16 where FSDP keeps the root's gathered after a forward
+        # (none left upcast to float32).
+        after = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach() for name, p in sharded.named_parameters()}
+        expected = {
+            name: weight if isinstance(p, DTensor) else weight.to(torch.bfloat16)
+            for (name, weight), p in zip(before.items(), sharded.parameters(), strict=True)
+        }
+        kept.append(all(after[n].dtype == w.dtype and torch.equal(after[n], w) for n, w in expected.items()))
+        return result
+
+    out["fsdp_bf16_weights"] = outcome(lambda: evaluate(fully_sharded(bf16)))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    out["fsdp_mixed_precision"] = outcome(lambda: evaluate(fully_sharded(model, mp_policy=policy)))
+    out["forwards"], out["weights_kept"] = forwards, kept
+    return out
+
+
 class Recorder(TrainerCallback):
     """Records every score by step and saves the weights it was made with (rank 0); counts tatblimp
     logs reaching other reporters; makes the evaluation at ``FAIL_STEP`` fail on rank 1.
@@ -291,7 +357,7 @@ def main() -> None:
     scenario, workdir = sys.argv[1], Path(sys.argv[2])
     tokenizer = PreTrainedTokenizerFast.from_pretrained(workdir / "tokenizer")
     cache = build_cache(tokenizer, workdir / "small.jsonl", allow_modified=True)
-    run = {"scorer": scorer_scenario, "trainer": trainer_scenario}[scenario]
+    run = {"scorer": scorer_scenario, "fsdp_exact": fsdp_exact_scenario, "trainer": trainer_scenario}[scenario]
     out = run(workdir, tokenizer, cache)
     torch.save(out, workdir / f"{scenario}-rank{os.environ['RANK']}.pt")
     if dist.is_initialized():

@@ -55,6 +55,11 @@ def scorer_run(workdir):
 
 
 @pytest.fixture(scope="module")
+def fsdp_exact_run(workdir):
+    return launch("fsdp_exact", workdir)
+
+
+@pytest.fixture(scope="module")
 def trainer_run(workdir):
     return launch("trainer", workdir)
 
@@ -163,6 +168,31 @@ def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run, prot
     if protocol == "sentences":
         assert sorted(len(share) for share in shares) == [4, 5]  # 9 batches: one rank repeats one
     assert ranks[0][f"{name}_forwards"] == ranks[1][f"{name}_forwards"] == max(len(share) for share in shares) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["fsdp_bf16_weights", "fsdp_mixed_precision"])
+def test_fsdp2_bf16_decisions_equal_one_process_float32_of_the_same_weights(fsdp_exact_run, weights):
+    ranks, _ = fsdp_exact_run
+    truth, one = ranks[0]["float32_truth"], ranks[0]["bf16_one_process"]
+    assert ranks[0]["bf16_fast"]["acc"] != truth["acc"]  # in bf16 some decisions are rounding: what is corrected
+    assert one["outcomes"] == truth
+    float32 = ranks[0]["float32_logprobs"]
+    if weights == "fsdp_mixed_precision":  # the float32 weights gathered in bf16; the buffers stay float32
+        truth, float32 = ranks[0]["float32_truth_mixed"], ranks[0]["float32_logprobs_mixed"]
+    for out in ranks:
+        exact = out[weights]
+        assert isinstance(exact, dict), exact
+        # The rescored sentences' log-probs are float32's (FSDP's own logits against the tiled head: float32 rounding).
+        rescored = exact["float32_logprobs"]
+        error = max(abs(a - b) for i in rescored for a, b in zip(rescored[i], float32[i], strict=True))
+        assert error < 1e-4, error
+        assert exact["outcomes"] == truth  # every pair decided as float32 decides it, on both ranks
+        assert exact["record"]["precision"] == "bfloat16"
+        assert exact["record"]["rescored_pairs"] == sum(exact["rescored"]) > 0  # the rescored pairs, named
+    assert ranks[0][weights]["rescored"] == ranks[1][weights]["rescored"]
+    assert ranks[0]["forwards"] == ranks[1]["forwards"]  # the same forward calls on both: in lockstep
+    assert ranks[0]["weights_kept"] == ranks[1]["weights_kept"] == [True, True]  # upcast for the forwards only
 
 
 # -- an HF Trainer under DDP ---------------------------------------------------------------------

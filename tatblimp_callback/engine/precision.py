@@ -7,7 +7,9 @@ autocast dtype when the training loop (the Hugging Face Trainer's ``bf16=True``,
 weights; "float32", "bfloat16" and "float16" force one. ``computing_in(lm, dtype)`` runs what is inside in that
 precision: under autocast where ``dtype`` is below the weights' dtype; with every module's weights upcast to
 float32 for its own call only (one float32 copy of one layer at a time, never of the whole model) where ``dtype``
-is float32 and the weights are not; as the weights are otherwise.
+is float32 and the weights are not; as the weights are otherwise. The weights' precision of a model sharded by FSDP2 (``fully_shard``)
+with a ``MixedPrecisionPolicy`` is its ``param_dtype``, what its layers compute in (``compute_dtype``); upcast, its
+layers' gathered weights are upcast inside their own call, and their inputs kept as they come (not cast by FSDP).
 
 A method check below float32 compares each method with that float32 truth of the same weights, and accepts
 one whose error is no larger than the plain forward's own (``within_plain_rounding``).
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .scoring_method import reference_readout
 
@@ -47,6 +50,22 @@ def weights_dtype(lm: torch.nn.Module) -> torch.dtype:
         if parameter.is_floating_point():
             return parameter.dtype
     return torch.float32
+
+
+def compute_dtype(lm: torch.nn.Module) -> torch.dtype:
+    """The dtype ``lm``'s forward computes its weights in: the ``param_dtype`` that FSDP2's mixed precision
+    (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))``) gathers them in, else ``weights_dtype``."""
+    for module in lm.modules():  # the outermost fully_shard'ed module's policy
+        policy = _fsdp2_policy(module)
+        if policy is not None:
+            return policy.param_dtype or weights_dtype(lm)
+    return weights_dtype(lm)
+
+
+def _fsdp2_policy(module: torch.nn.Module):
+    """The ``MixedPrecisionPolicy`` of a module ``fully_shard`` was applied to, else None."""
+    state = getattr(module, "_get_fsdp_state", None)  # FSDPModule's; its state holds the policy
+    return getattr(state(), "_mp_policy", None) if callable(state) else None
 
 
 def training_autocast_dtype(model: torch.nn.Module, trainer_args=None) -> torch.dtype | None:
@@ -107,7 +126,7 @@ def resolve_precision(precision: str, lm: torch.nn.Module, autocast_dtype: torch
     weights' dtype; the others are what they name."""
     precision = check_precision(precision)
     if precision == "auto":
-        return autocast_dtype if autocast_dtype is not None else weights_dtype(lm)
+        return autocast_dtype if autocast_dtype is not None else compute_dtype(lm)
     return DTYPES[precision]
 
 
@@ -118,7 +137,7 @@ def scoring_precision(model: torch.nn.Module, lm: torch.nn.Module, precision, de
         ValueError: an unknown ``precision``, or one the device cannot run (``check_runs``).
     """
     if precision is None:
-        return weights_dtype(lm)
+        return compute_dtype(lm)
     dtype = resolve_precision(precision, lm, training_autocast_dtype(model))
     check_runs(lm, dtype, device)
     return dtype
@@ -130,7 +149,7 @@ def check_runs(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device) ->
     Raises:
         ValueError: naming the option, the value and the choices.
     """
-    if dtype == weights_dtype(lm) or dtype == torch.float32:
+    if dtype == compute_dtype(lm) or dtype == torch.float32:
         return
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise ValueError(
@@ -149,7 +168,7 @@ def computing_in(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device, 
 
     ``head``: the LM head module, upcast whole for all of the context instead (its weight read directly by the
     tiled head, ``tiled_head``, outside its own call), left without hooks so that it stays a plain linear layer."""
-    weights = weights_dtype(lm)
+    weights = compute_dtype(lm)
     with ExitStack() as stack:
         if dtype == weights or (dtype == torch.float32 and weights == torch.float64):
             stack.enter_context(_no_autocast(device))
@@ -194,7 +213,11 @@ def _no_autocast(device: torch.device):
 def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip=None) -> Iterator[None]:
     """Every module's own low-precision weights and buffers are ``dtype`` while that module runs, and as they were
     after: one module's upcast copy exists at a time. The originals are put back, bit for bit (on an exception too).
-    ``skip``: a module left alone (no hooks)."""
+    ``skip``: a module left alone (no hooks).
+
+    Under FSDP2 (``fully_shard``) a module's weights are gathered by FSDP's own hooks: ours run inside them (the
+    upcast after FSDP's pre-forward has gathered the weights, the restore before its post-forward frees them), and
+    the inputs that a mixed-precision policy would cast to its ``param_dtype`` are kept as they came."""
     handles = []
 
     def before(module, args):
@@ -214,8 +237,10 @@ def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip
     modules = [m for m in lm.modules() if m is not skip and (any(True for _ in m.parameters(recurse=False)) or m._buffers)]
     try:
         for module in modules:
-            handles.append(module.register_forward_pre_hook(before))
-            handles.append(module.register_forward_hook(after, always_call=True))
+            fsdp = _fsdp2_policy(module) is not None
+            handles.append(module.register_forward_pre_hook(before))  # after FSDP's (prepended) pre-forward
+            handles.append(module.register_forward_hook(after, always_call=True, prepend=fsdp))  # before its post-forward
+        handles += _keep_inputs_from_fsdp_cast(lm)
         yield
     finally:
         for handle in handles:
@@ -224,13 +249,44 @@ def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip
             while module.__dict__.get("_tatblimp_upcast"):
                 restore(module)
             module.__dict__.pop("_tatblimp_upcast", None)
+        for module in lm.modules():
+            module.__dict__.pop("_tatblimp_inputs", None)
+
+
+def _keep_inputs_from_fsdp_cast(lm: torch.nn.Module) -> list:
+    """Hooks on every FSDP2 module whose mixed-precision policy casts its floating-point inputs to ``param_dtype``
+    that hand it the inputs as they came instead (each one FSDP cast), FSDP's pre-forward running as usual between."""
+    handles = []
+
+    def keep(module, args, kwargs):
+        module.__dict__["_tatblimp_inputs"] = (args, kwargs)
+
+    def put_back(module, args, kwargs):
+        given, spec = tree_flatten(module.__dict__.pop("_tatblimp_inputs"))
+        cast, cast_spec = tree_flatten((args, kwargs))
+        if spec != cast_spec:
+            raise RuntimeError(f"tatblimp: FSDP changed the inputs of {type(module).__name__} beyond casting them")
+        kept = [
+            old.to(new.device) if isinstance(old, torch.Tensor) and old.is_floating_point() and old.dtype != new.dtype else new
+            for old, new in zip(given, cast, strict=True)
+        ]
+        return tree_unflatten(kept, spec)
+
+    for module in lm.modules():
+        policy = _fsdp2_policy(module)
+        if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
+            handles.append(module.register_forward_pre_hook(keep, prepend=True, with_kwargs=True))  # before FSDP's
+            handles.append(module.register_forward_pre_hook(put_back, with_kwargs=True))  # after FSDP's
+    return handles
 
 
 def float32_truth(lm, forward, cache, precision: torch.dtype, sharded: bool):
     """The method check's float32 truth below float32: a function of the sample's sequences that scores them plainly
     (``scoring_method.reference_readout``) in float32, the weights upcast a layer at a time. None in float32, and for
-    a sharded model (FSDP, ZeRO-3), whose weights are gathered by its own hooks."""
-    if precision.itemsize >= 4 or sharded:
+    a sharded model other than FSDP2 (FSDP1, ZeRO-3), whose weights are gathered by hooks that ours cannot run inside.
+    An FSDP2 model's forward is a collective: every process must compute the truth of the same sequences, as the
+    method check and ``exact_decisions`` do."""
+    if precision.itemsize >= 4 or (sharded and not any(_fsdp2_policy(m) is not None for m in lm.modules())):
         return None
 
     def truth(sequences: list[int]) -> torch.Tensor:
