@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_scoring import DTYPES, SHAPES, SHARED, load_converted_tokenizer, make_model, synchronize, timed
+from bench_scoring import DTYPES, load_converted_tokenizer, make_model, model_arguments, synchronize, timed
 
 from tatblimp_callback import Scorer, build_cache, load_benchmark
 
@@ -142,10 +142,7 @@ def compile_break_even(rows: dict) -> dict | None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl")
-    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
-    parser.add_argument("--model-shape", choices=sorted(SHAPES), default="1.5m")
-    parser.add_argument("--device", default="cpu")
+    model_arguments(parser, shape="1.5m", device="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")

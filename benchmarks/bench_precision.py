@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_scoring import SHAPES, SHARED, load_converted_tokenizer, timed
+from bench_scoring import SHAPES, load_converted_tokenizer, model_arguments, timed
 
 from tatblimp_callback import Evaluator, build_cache, load_benchmark
 
@@ -120,10 +120,7 @@ def one_init(args, tokenizer, cache, device, init: float) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl")
-    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
-    parser.add_argument("--model-shape", choices=sorted(SHAPES), default="478m")
-    parser.add_argument("--device", default="cuda")
+    model_arguments(parser, shape="478m", device="cuda")
     parser.add_argument("--inits", type=float, nargs="+", default=[0.02, 0.1], help="initializer ranges")
     parser.add_argument("--repeats", type=int, default=3, help="timed evaluations per configuration (min is kept)")
     parser.add_argument("--float16", action="store_true", help="also fp16 autocast on the float32 weights")

@@ -66,6 +66,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # -- setup ------------------------------------------------------------------------------------------
 
 
+def model_arguments(parser, shape: str, device: str) -> None:
+    """The options every benchmark of one model shares: the benchmark file, the tokenizer, the shape, the device."""
+    parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl")
+    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    parser.add_argument("--model-shape", choices=sorted(SHAPES), default=shape)
+    parser.add_argument("--device", default=device)
+
+
 def load_converted_tokenizer(spm_model: Path):
     """The SentencePiece model as transformers (and so lm-eval) loads it from a model folder."""
     from transformers import LlamaTokenizer

@@ -62,12 +62,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scoring import (
     DTYPES,
-    SHAPES,
-    SHARED,
     LmEvalRunner,
     load_converted_tokenizer,
     make_model,
     measure_scorer,
+    model_arguments,
     peak_extra_memory,
     synchronize,
     timed,
@@ -102,10 +101,7 @@ def training_steps(model, optimizer, steps: int, batch: tuple[int, int], device,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=SHARED / "tatblimp" / "test.jsonl")
-    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
-    parser.add_argument("--model-shape", choices=sorted(SHAPES), default="478m")
-    parser.add_argument("--device", default="cuda")
+    model_arguments(parser, shape="478m", device="cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--repeats", type=int, default=5, help="timed evaluations (min is kept)")
     parser.add_argument("--steps", type=int, default=60, help="training steps per timed loop")

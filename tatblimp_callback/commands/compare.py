@@ -24,7 +24,7 @@ from typing import Any
 from ..reading.option_types import natural_int
 from ..results.comparison import Comparison, compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
-from ..results.edit_outcomes import format_runs_by_edit, runs_by_edit, split_rows
+from ..results.edit_outcomes import acquisition_line, format_runs_by_edit, runs_by_edit, split_rows
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from ..results.positions import axis_of
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
@@ -196,13 +196,8 @@ def _by_edit_text(by_edit: dict[str, Any]) -> list[str]:
             header = ["group", "metric", inside, outside, "difference", "p (Fisher)"]
             lines += ["", f"{label}: acc and acc_norm by {split} ({inside} / {outside})"]
             lines += _text_table([header, *split_rows(splits, phenomena=False)], (0,))
-        acquisition = data["acquisition"]
-        if acquisition is not None:
-            steps = {name: acquisition[f"{name}_step"] for name in ("aligned", "unaligned")}
-            lines.append(
-                f"{label}: acc_norm acquisition step (>= {acquisition['threshold']} through the last evaluation): "
-                + ", ".join(f"{name} pairs {'not acquired' if step is None else step}" for name, step in steps.items())
-            )
+        if data["acquisition"] is not None:
+            lines.append(acquisition_line(label, data["acquisition"]))
     return lines
 
 

@@ -167,12 +167,14 @@ def format_runs_by_edit(by_label: Mapping[str, Any], phenomena: bool = True) -> 
     out = []
     for label, data in by_label.items():
         out.append(format_edit_splits(label, data["splits"], phenomena))
-        acquisition = data["acquisition"]
-        if acquisition is not None:
-            steps = {name: acquisition[f"{name}_step"] for name in ("aligned", "unaligned")}
-            out.append(
-                f"{label}: acc_norm acquisition step (>= {acquisition['threshold']} through the last evaluation): "
-                + ", ".join(f"{name} pairs {'not acquired' if step is None else step}" for name, step in steps.items())
-                + "\n"
-            )
+        if data["acquisition"] is not None:
+            out.append(acquisition_line(label, data["acquisition"]) + "\n")
     return "\n".join(out)
+
+
+def acquisition_line(label: str, acquisition: Mapping[str, Any]) -> str:
+    """A sweep's acc_norm acquisition steps of the aligned and unaligned pairs, as one line."""
+    steps = {name: acquisition[f"{name}_step"] for name in ("aligned", "unaligned")}
+    return f"{label}: acc_norm acquisition step (>= {acquisition['threshold']} through the last evaluation): " + ", ".join(
+        f"{name} pairs {'not acquired' if step is None else step}" for name, step in steps.items()
+    )
