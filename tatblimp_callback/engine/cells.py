@@ -9,6 +9,7 @@ any device, whatever the batching and the number of processes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..tokenized.cache import SentenceCache
@@ -66,6 +67,16 @@ class Cells:
         """Sentences: the sum of each one's cells, left to right; prompts: the answers' log-probs, [prompts, answers]."""
         if self.answers:
             return cells.view(-1, self.answers)
+        if (
+            cells.device.type == "cpu" and self.device.type == "cpu"
+        ):  # the same additions in numpy: a slot's step costs a fifth of torch's on the CPU
+            values, starts = cells.numpy(), self._order_starts.numpy()
+            by_width = np.zeros(len(starts), dtype=values.dtype)
+            for slot, alive in enumerate(self._alive):
+                by_width[:alive] += values[starts[:alive] + slot]
+            total = np.empty_like(by_width)
+            total[self._order.numpy()] = by_width
+            return torch.from_numpy(total)
         by_width = torch.zeros(len(self.starts), dtype=cells.dtype, device=cells.device)
         for slot, alive in enumerate(self._alive):
             by_width[:alive] += cells[self._order_starts[:alive] + slot]  # slot k of every sentence that has one

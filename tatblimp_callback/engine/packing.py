@@ -271,7 +271,7 @@ def batch_arrays(
     index = np.arange(m)
     row_sizes = np.diff(rows.row_starts[first : end + 1])
     row_of = np.repeat(np.arange(end - first), row_sizes)
-    tokens = _input_matrix(sequences, seqs, sequences.lengths()[seqs])  # every token: inputs and targets
+    first_token = sequences.offsets[seqs]  # where each sequence's tokens start in ``sequences.ids``
     new = n - c
     base = np.cumsum(new) - new  # each sequence's first new node
     row_base = base[rows.row_starts[first:end] - lo]  # each row's first node
@@ -283,7 +283,7 @@ def batch_arrays(
     flat = node_row * width + np.arange(len(node_seq)) - row_base[node_row]
     used = np.bincount(node_row, minlength=end - first)
     input_ids = np.full((end - first) * width, pad_id, dtype=np.int32)
-    input_ids[flat] = tokens[node_seq, node_depth]
+    input_ids[flat] = sequences.ids[first_token[node_seq] + node_depth]
     small = np.int16 if width < 2**15 else np.int32
     # Padding after a row's last node: a position run of its own (a block of its own when packed).
     position_ids = (np.arange(width)[None, :] - used[:, None]).astype(small).ravel()
@@ -310,7 +310,7 @@ def batch_arrays(
         scored_seq, scored_depth = np.nonzero(depth < n[:, None])
         arrays["score_positions"] = flat.astype(np.int32)
         arrays["score_contexts"] = node[scored_seq, scored_depth].astype(np.int32)
-        arrays["score_targets"] = tokens[scored_seq, scored_depth + 1]
+        arrays["score_targets"] = sequences.ids[first_token[scored_seq] + scored_depth + 1]
         arrays["score_sentences"] = seqs[scored_seq].astype(np.int32)
         arrays["score_slots"] = scored_depth.astype(small)
     return arrays

@@ -8,6 +8,7 @@ rows (``packing``) follows from it and the token ids.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +57,7 @@ def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOr
     would outgrow ``row_length`` positions.
     """
     check_fits(inputs, row_length)
-    order = np.lexsort((np.arange(len(inputs)), *matrix.T[::-1]))
+    order = sorted_order(matrix, inputs)
     common = np.zeros(len(order), dtype=np.int64)  # tokens each shares with the one before it
     for start in range(1, len(order), COMPARED_AT_ONCE):  # in slices: no sorted copy of the whole matrix
         current = matrix[order[start : start + COMPARED_AT_ONCE]]
@@ -66,15 +67,32 @@ def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOr
     inputs = inputs[order].astype(np.int64)
     # A row starting at sequence s holds s's inputs and then each next one's new inputs: with the
     # running sum of new inputs, its end is found by one search a row (a loop over rows, not sequences).
-    new = np.concatenate([[0], np.cumsum(inputs - common)])
+    new = np.concatenate([[0], np.cumsum(inputs - common)]).tolist()
+    first_inputs = inputs.tolist()
     starts = [0]
-    while starts[-1] < len(order):
+    while starts[-1] < len(order):  # Python's bisect on lists: numpy's searchsorted costs ~20x more a call
         s = starts[-1]
-        limit = new[s + 1] + row_length - inputs[s]  # the first sequence's inputs count in full
-        starts.append(max(s + 1, int(np.searchsorted(new, limit, side="right")) - 1))
+        limit = new[s + 1] + row_length - first_inputs[s]  # the first sequence's inputs count in full
+        starts.append(max(s + 1, bisect.bisect_right(new, limit) - 1))
     row_starts = np.array(starts, dtype=np.int64)
     common[row_starts[:-1]] = 0
     return RowOrder(order, inputs, common, row_starts)
+
+
+def sorted_order(matrix: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """The order in which the rows of ``matrix`` (each one's first ``inputs[i]`` entries: token ids, at least 0) sort as
+    lists do, equal ones by index: ``np.lexsort`` over every column, computed as a sort of byte strings.
+
+    Each sequence is its token ids as big-endian 4-byte words, whose bytes compare as the ids do, and a string that
+    another starts with sorts before it, as a shorter list does; Python's sort is stable. One comparison of two
+    strings is one ``memcmp``, where ``lexsort`` takes a pass a column (multiple-choice requests of 200 tokens: 3 ms
+    against 29 for 4,000 of them, loaded 2-core VM, 2026-12-04).
+    """
+    count, width = len(inputs), 4 * matrix.shape[1]
+    data = np.ascontiguousarray(matrix, dtype=">u4").tobytes()  # the -1 padding is never read: each string ends before it
+    starts = np.arange(count, dtype=np.int64) * width
+    keys = list(map(data.__getitem__, map(slice, starts.tolist(), (starts + 4 * np.asarray(inputs)).tolist())))
+    return np.fromiter(sorted(range(count), key=keys.__getitem__), dtype=np.int64, count=count)
 
 
 def packed_order(inputs: np.ndarray, row_length: int) -> RowOrder:

@@ -12,6 +12,7 @@ that skips the blocks no position attends to.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}  # (width, dtype, device) -> [width, width] q - k, or width where q < k
@@ -20,7 +21,13 @@ _OFFSETS: dict[tuple, torch.Tensor] = {}  # (width, dtype, device) -> [width, wi
 def interval_mask(sizes: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """[rows, 1, width, width]: query q sees key k where ``0 <= q - k < sizes[row, k]``; boolean (True:
     attend), or additive in the floating ``dtype`` (0, or its most negative value), as eager attention wants."""
-    seen = _offsets(sizes.shape[-1], sizes.dtype, sizes.device).unsqueeze(0) < sizes.unsqueeze(1)
+    offsets = _offsets(sizes.shape[-1], sizes.dtype, sizes.device).unsqueeze(0)
+    if (
+        sizes.device.type == "cpu" and not torch.compiler.is_compiling()
+    ):  # numpy's comparison: a third of torch's time on the CPU (same values)
+        seen = torch.from_numpy(np.less(offsets.numpy(), sizes.unsqueeze(1).numpy()))
+    else:
+        seen = offsets < sizes.unsqueeze(1)
     if dtype == torch.bool:
         return seen.unsqueeze(1)
     mask = torch.zeros(seen.shape, dtype=dtype, device=sizes.device)

@@ -13,14 +13,16 @@ when the weights have moved, against a plain forward of the model on the first c
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ..engine import distributed
 from ..engine.model_checks import input_device
-from ..engine.scored_spans import sequence_cache
+from ..engine.scored_spans import flat_sequence_cache
 from ..engine.scoring import Scorer
 from ..tokenized.cache import SentenceCache
 
@@ -37,13 +39,48 @@ def request_sequences(requests: Sequence[Request], max_length: int) -> tuple[lis
     """
     sequences, continuation_lengths = [], []
     for k, (context, continuation) in enumerate(requests):
-        if not context or not continuation:
-            raise ValueError(f"harness request {k}: empty {'context' if not context else 'continuation'} tokens")
-        if len(continuation) > max_length:
-            raise ValueError(f"harness request {k}: a continuation of {len(continuation)} tokens, over max_length {max_length}")
+        _check_request(k, len(context), len(continuation), max_length)
         sequences.append([*context, *continuation][-(max_length + 1) :])
         continuation_lengths.append(len(continuation))
     return sequences, continuation_lengths
+
+
+def _check_request(k: int, context: int, continuation: int, max_length: int) -> None:
+    if not context or not continuation:
+        raise ValueError(f"harness request {k}: empty {'context' if not context else 'continuation'} tokens")
+    if continuation > max_length:
+        raise ValueError(f"harness request {k}: a continuation of {continuation} tokens, over max_length {max_length}")
+
+
+def request_tokens(requests: Sequence[Request], max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``request_sequences`` as arrays: every sequence's token ids one after another, each one's length, and each
+    one's continuation length, with no Python step per request (the tokens read in one pass in C).
+
+    Raises:
+        ValueError: as ``request_sequences``, naming the first such request.
+    """
+    count = len(requests)
+    contexts, continuations = zip(*requests) if count else ((), ())
+    context_lengths = np.fromiter(map(len, contexts), dtype=np.int64, count=count)
+    continuation_lengths = np.fromiter(map(len, continuations), dtype=np.int64, count=count)
+    bad = np.flatnonzero((context_lengths == 0) | (continuation_lengths == 0) | (continuation_lengths > max_length))
+    if len(bad):
+        k = int(bad[0])
+        _check_request(k, context_lengths[k], continuation_lengths[k], max_length)
+    lengths = context_lengths + continuation_lengths
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain.from_iterable(requests)), dtype=np.int64, count=int(lengths.sum())
+    )
+    cut = lengths - np.minimum(lengths, max_length + 1)  # tokens cut from the left, as HFLM cuts them
+    if cut.any():
+        tokens, lengths = tokens[~_leading(cut, lengths)], lengths - cut
+    return tokens, lengths, continuation_lengths
+
+
+def _leading(counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A mask over sequences laid one after another (``lengths``): the first ``counts[k]`` tokens of each."""
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return within < np.repeat(counts, lengths)
 
 
 class RequestScorer:
@@ -75,7 +112,7 @@ class RequestScorer:
         self.each_process_its_own = each_process_its_own
         self._checker: Scorer | None = None  # its method check serves every call (the first call's requests, cut)
         self._scorer: Scorer | None = None  # the latest call's, with its plan
-        self._sequences: tuple | None = None  # the latest call's (sequences, continuation lengths, pad id)
+        self._sequences: tuple | None = None  # the latest call's (tokens, lengths, continuation lengths, pad id)
 
     @property
     def method(self):
@@ -86,23 +123,24 @@ class RequestScorer:
         """``(sum of the continuation's token log-probs, every continuation token greedy)`` of each request."""
         if not requests:
             return []
-        sequences, continuation_lengths = request_sequences(requests, max_length)
+        tokens, lengths, continuation_lengths = request_tokens(requests, max_length)
         alone = distributed.this_process_only() if self.each_process_its_own else contextlib.nullcontext()
         with alone:  # no collectives over requests that differ from process to process
-            scorer = self._scorer_for(sequences, continuation_lengths, pad_id)
+            scorer = self._scorer_for(tokens, lengths, continuation_lengths, pad_id)
             logprobs = scorer.score()
             return list(zip(logprobs.tolist(), scorer.spans.greedy(), strict=True))
 
-    def _scorer_for(self, sequences: list[list[int]], continuation_lengths: list[int], pad_id: int) -> Scorer:
+    def _scorer_for(self, tokens: np.ndarray, lengths: np.ndarray, continuation_lengths: np.ndarray, pad_id: int) -> Scorer:
         """The scorer of these requests: the latest call's if they are the same, else one made for them (the cache
         on the device the model takes its input on, which a device map may set apart from its first weight's)."""
-        key = (sequences, continuation_lengths, pad_id)
-        if self._scorer is not None and self._sequences == key and self._scorer.serves(self.model):
+        key = (tokens, lengths, continuation_lengths, pad_id)
+        if self._scorer is not None and _same_requests(self._sequences, key) and self._scorer.serves(self.model):
             return self._scorer
         device = input_device(self.model)
         if self._checker is None or not self._checker.serves(self.model):
-            self._checker = Scorer(self.model, self._check_cache(sequences, pad_id, device), **self._options)
-        cache = replace(sequence_cache(sequences, pad_id, device, "lm-eval"), span_tokens=tuple(continuation_lengths))
+            self._checker = Scorer(self.model, self._check_cache(tokens, lengths, pad_id, device), **self._options)
+        cache = flat_sequence_cache(tokens, lengths, pad_id, device, "lm-eval")
+        cache = replace(cache, span_tokens=tuple(continuation_lengths.tolist()))
         # The spans go through greedy_head, never through the timed head methods: nothing to time.
         scorer = Scorer(self.model, cache, head_method="tiles", **self._options)
         scorer.check = self._checker.check  # one method check for the harness model's life, on its short sample
@@ -110,7 +148,7 @@ class RequestScorer:
         return scorer
 
     @staticmethod
-    def _check_cache(sequences: list[list[int]], pad_id: int, device: torch.device) -> SentenceCache:
+    def _check_cache(tokens: np.ndarray, lengths: np.ndarray, pad_id: int, device: torch.device) -> SentenceCache:
         """The sequences as the method check sees them: their first ``CHECK_TOKENS`` tokens, within the context.
 
         The check compares each layout with a plain forward of the whole model on a sample; whether a model honours
@@ -118,4 +156,10 @@ class RequestScorer:
         long multiple-choice contexts took 40 of a call's 46 seconds). The rows themselves are laid out for the full
         sequences: a full rolling window is one token longer than the context, its last a target only.
         """
-        return sequence_cache([s[:CHECK_TOKENS] for s in sequences], pad_id, device, "lm-eval")
+        short = np.minimum(lengths, CHECK_TOKENS)
+        return flat_sequence_cache(tokens[_leading(short, lengths)], short, pad_id, device, "lm-eval")
+
+
+def _same_requests(seen: tuple | None, key: tuple) -> bool:
+    """Whether ``key`` (request tokens, lengths, continuation lengths, pad id) is the ``seen`` one, array by array."""
+    return seen is not None and seen[-1] == key[-1] and all(np.array_equal(a, b) for a, b in zip(seen[:-1], key[:-1]))
