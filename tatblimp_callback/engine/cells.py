@@ -67,10 +67,10 @@ class Cells:
         """Sentences: the sum of each one's cells, left to right; prompts: the answers' log-probs, [prompts, answers]."""
         if self.answers:
             return cells.view(-1, self.answers)
-        if (
-            cells.device.type == "cpu" and self.device.type == "cpu"
-        ):  # the same additions in numpy: a slot's step costs a fifth of torch's on the CPU
-            values, starts = cells.numpy(), self._order_starts.numpy()
+        if cells.device.type == "cpu" and self.device.type == "cpu":
+            # The same additions in numpy: a slot's step costs a fifth of torch's on the CPU. Detached: a readout
+            # called outside ``scoring_mode`` (the method check's, a test's) may carry autograd history.
+            values, starts = cells.detach().numpy(), self._order_starts.numpy()
             by_width = np.zeros(len(starts), dtype=values.dtype)
             for slot, alive in enumerate(self._alive):
                 by_width[:alive] += values[starts[:alive] + slot]
