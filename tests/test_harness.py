@@ -159,26 +159,11 @@ def test_tatblimp_model_is_greedy_like_hf(two_models):
 def test_trainer_logs_harness_metrics_equal_to_a_harness_run(bpe_tokenizer, local_tasks, tmp_path):
     """A real Trainer run with ``lm_eval_tasks`` logs ``lm_eval/<task>/<metric>``: at the last step, the numbers
     ``lm_eval --model hf`` gives for the checkpoint saved there."""
-    from transformers import Trainer, TrainingArguments
-
     from tatblimp_callback import TatBLiMPCallback
+    from trainer_utils import checkpointed_trainer
 
     model = tiny_llama(len(bpe_tokenizer), seed=5)
-    lines = CORPUS.read_text(encoding="utf-8").splitlines()[:64]
-    train = [{"input_ids": ids, "labels": ids} for ids in (bpe_tokenizer(line)["input_ids"][:32] for line in lines)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=4,
-        per_device_train_batch_size=1,
-        learning_rate=5e-3,
-        save_strategy="steps",
-        save_steps=4,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=bpe_tokenizer)
+    trainer = checkpointed_trainer(model, bpe_tokenizer, tmp_path / "run")
     tasks = ["local_mc", "tatblimp_binding"]
     callback = TatBLiMPCallback.attach(
         trainer, data=DATA, eval_steps=2, lm_eval_tasks=tasks, lm_eval_include_path=str(local_tasks)

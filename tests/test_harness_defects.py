@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CORPUS, DATA, tiny_llama
+from conftest import DATA, tiny_llama
 
 pytest.importorskip("lm_eval")
 
@@ -181,27 +181,14 @@ def test_trainer_run_with_fewshot_and_generate_tasks_logs_the_harness_numbers(bp
     themselves are compared in ``test_generate_until_generates_in_eval_mode_and_the_modes_come_back``.)"""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    from transformers import Trainer, TrainingArguments
+
+    from trainer_utils import checkpointed_trainer
 
     folder = write_task(tmp_path / "tasks", local_tasks, "local_mc_fewshot", FEWSHOT)
     write_task(folder, local_tasks, "local_generate", GENERATE)
     tokenizer = copy.deepcopy(bpe_tokenizer)
     model = tiny_llama(len(tokenizer), seed=5, attention_dropout=0.5)
-    lines = CORPUS.read_text(encoding="utf-8").splitlines()[:64]
-    train = [{"input_ids": ids, "labels": ids} for ids in (tokenizer(line)["input_ids"][:32] for line in lines)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=4,
-        per_device_train_batch_size=1,
-        learning_rate=5e-3,
-        save_strategy="steps",
-        save_steps=4,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+    trainer = checkpointed_trainer(model, tokenizer, tmp_path / "run")
     tasks = ["local_mc_fewshot", "local_generate"]
     TatBLiMPCallback.attach(
         trainer,

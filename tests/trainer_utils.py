@@ -21,6 +21,26 @@ def corpus_blocks(tokenizer, block: int = 32, lines: int = 300) -> list[dict]:
     return [{"input_ids": ids[i : i + block], "labels": ids[i : i + block]} for i in range(0, len(ids) - block, block)]
 
 
+def checkpointed_trainer(model, tokenizer, output_dir) -> Trainer:
+    """4 steps of batch 1 on the corpus's first 64 lines (32 tokens each), a checkpoint at step 4: a run whose last
+    evaluation can be checked against ``lm_eval --model hf`` on that checkpoint."""
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()[:64]
+    train = [{"input_ids": ids, "labels": ids} for ids in (tokenizer(line)["input_ids"][:32] for line in lines)]
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=4,
+        per_device_train_batch_size=1,
+        learning_rate=5e-3,
+        save_strategy="steps",
+        save_steps=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return Trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+
+
 def make_trainer(model, tokenizer, output_dir, callbacks=(), eval_dataset=None, attach=False, **overrides) -> Trainer:
     """A Trainer given ``callbacks=[...]``, as a user would; ``attach=True``: the ``TatBLiMPCallback``s among them
     are given the Trainer (``trainer=``), as ``TatBLiMPCallback.attach`` does."""

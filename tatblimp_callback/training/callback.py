@@ -127,6 +127,7 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
     compile: bool = False
     """``torch.compile`` the scoring forward for the plan's fixed shapes (not the model training runs): about a minute
     to compile on a GPU, so for long runs only (see the long-runs guide)."""
+
     precision: str = "auto"
     """What scoring computes in: "auto" (the precision training computes in: bf16 under ``bf16=True``, fp16 under
     ``fp16=True``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""

@@ -123,6 +123,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
     compile: bool = False
     """``torch.compile`` the scoring forward for the plan's fixed shapes (not the model training runs): about a minute
     to compile on a GPU, so for long runs only (see the long-runs guide)."""
+
     precision: str = "auto"
     """What scoring computes in: "auto" (the Trainer's: bf16 under ``precision="bf16-mixed"``, fp16 under
     ``"16-mixed"``, else the weights' dtype), "float32", "bfloat16" or "float16"; recorded with every result."""
