@@ -15,6 +15,9 @@ $(BIN)/tatblimp: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel of torch first, so the project's torch range installs nothing more.
 	$(BIN)/pip install -q torch==2.13.0
+	# DeepSpeed (tests/test_distributed.py's ZeRO-3 run) is an sdist whose build imports torch: built against the torch above.
+	$(BIN)/pip install -q "setuptools>=77" wheel
+	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/pip install -q -e '.[dev,docs]'
 	touch $@
 

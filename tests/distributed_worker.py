@@ -10,7 +10,11 @@ WORKDIR holds ``tokenizer/`` and ``small.jsonl`` from the test; each rank writes
   forced choice (the same engine on prompts), sharded, under FSDP2, and with a failure while
   preparing on one rank.
 - ``fsdp_exact``: exact decisions of FSDP2 models that compute in bf16 (bf16 weights; float32 weights under a
-  bf16 ``MixedPrecisionPolicy``) against one process's float32 evaluation of the same bf16 weights.
+  bf16 ``MixedPrecisionPolicy``), and of FSDP1 ones (bf16 weights flattened; float32 weights under a bf16
+  ``MixedPrecision``), against one process's float32 evaluation of the same bf16 weights.
+- ``zero3_exact``: exact decisions of a DeepSpeed ZeRO-3 model in bf16 (its weights partitioned over the two
+  processes, gathered by DeepSpeed's hooks layer by layer) against one process's float32 evaluation of the same bf16
+  weights, and a training step after the evaluation.
 - ``trainer``: an HF Trainer under DDP with ``TatBLiMPCallback``; the evaluation at step 4 fails
   on rank 1 only. Afterwards rank 0 scores the saved weights of every evaluation on one process.
 """
@@ -271,6 +275,93 @@ def fsdp_exact_scenario(workdir: Path, tokenizer, cache) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     out["fsdp_mixed_precision"] = outcome(lambda: evaluate(fully_sharded(model, mp_policy=policy)))
     out["forwards"], out["weights_kept"] = forwards, kept
+    out.update(fsdp1_exact(model, bf16, cache))
+    return out
+
+
+def fsdp1_exact(model, bf16, cache) -> dict:
+    """Exact decisions under FSDP1 (``FullyShardedDataParallel``, each decoder layer wrapped as accelerate wraps
+    them): bf16 weights flattened (``use_orig_params=False``), and float32 weights under a bf16 ``MixedPrecision`` that
+    also casts each layer's inputs (``use_orig_params=True``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    out, forwards, kept = {}, [], []
+
+    def evaluate(weights, **options):
+        sharded = FullyShardedDataParallel(
+            copy.deepcopy(weights),
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            **options,
+        )
+        before = [p.detach().clone() for p in sharded.parameters()]  # this process's shards
+        counter = count_forwards(sharded.module)
+        results = Evaluator(cache=cache, memory_budget=BUDGET)(sharded)
+        forwards.append(counter[0])
+        result = exact_decisions(results)
+        result["float32_logprobs"] = {
+            i: (p.float32_good_logprob, p.float32_bad_logprob) for i, p in enumerate(results.pairs) if p.rescored
+        }
+        kept.append(all(p.dtype == w.dtype and torch.equal(p, w) for p, w in zip(sharded.parameters(), before, strict=True)))
+        return result
+
+    out["fsdp1_bf16_weights"] = outcome(lambda: evaluate(bf16))
+    mixed = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    out["fsdp1_mixed_precision"] = outcome(lambda: evaluate(model, mixed_precision=mixed, use_orig_params=True))
+    out["fsdp1_forwards"], out["fsdp1_weights_kept"] = forwards, kept
+    return out
+
+
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": 1,
+    # Every weight partitioned, however small (the default keeps parameters under 100K elements whole on each process).
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}
+
+
+def zero3_exact_scenario(workdir: Path, tokenizer, cache) -> dict:
+    import deepspeed
+
+    model = tiny_llama(len(tokenizer))
+    bf16 = copy.deepcopy(model)  # what DeepSpeed's bf16 makes of the model: its weights in bf16, its buffers as they are
+    for parameter in bf16.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    truth = Evaluator(cache=cache, memory_budget=BUDGET, precision="float32")(bf16)
+    out = {
+        "float32_truth": truth.outcomes(),
+        "float32_logprobs": [(p.good_logprob, p.bad_logprob) for p in truth.pairs],
+        "bf16_fast": Evaluator(cache=cache, memory_budget=BUDGET, exact_decisions=False)(bf16).outcomes(),
+    }
+    deepspeed.init_distributed("gloo")
+    engine, *_ = deepspeed.initialize(model=model, config=ZERO3)
+    sharded = engine.module  # what a Trainer's callbacks are given
+    out["partitioned"] = all(p.numel() == 0 and p.ds_numel > 0 for p in sharded.parameters())
+    counter = count_forwards(sharded)
+    results = outcome(lambda: Evaluator(cache=cache, memory_budget=BUDGET)(sharded))
+    out["forwards"] = counter[0]
+    if isinstance(results, str):
+        out["zero3"] = results
+    else:
+        out["zero3"] = outcome(lambda: exact_decisions(results))  # a KeyError where none were made
+    if isinstance(out["zero3"], dict):
+        out["zero3"]["float32_logprobs"] = {
+            i: (p.float32_good_logprob, p.float32_bad_logprob) for i, p in enumerate(results.pairs) if p.rescored
+        }
+        out["precision"] = results.run_info.get("precision")
+    # The weights as they were: still partitioned, in bf16, the same values (gathered here to compare).
+    out["partitioned_after"] = all(p.numel() == 0 and p.dtype == torch.bfloat16 for p in sharded.parameters())
+    with deepspeed.zero.GatheredParameters(list(sharded.parameters())):
+        out["weights_kept"] = all(torch.equal(p.data, w) for p, w in zip(sharded.parameters(), bf16.parameters(), strict=True))
+    # Training goes on after the evaluation.
+    batch = torch.tensor([cache.sentence(0)])
+    loss = engine(input_ids=batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+    out["loss_after"] = float(loss)
     return out
 
 
@@ -357,7 +448,12 @@ def main() -> None:
     scenario, workdir = sys.argv[1], Path(sys.argv[2])
     tokenizer = PreTrainedTokenizerFast.from_pretrained(workdir / "tokenizer")
     cache = build_cache(tokenizer, workdir / "small.jsonl", allow_modified=True)
-    run = {"scorer": scorer_scenario, "fsdp_exact": fsdp_exact_scenario, "trainer": trainer_scenario}[scenario]
+    run = {
+        "scorer": scorer_scenario,
+        "fsdp_exact": fsdp_exact_scenario,
+        "zero3_exact": zero3_exact_scenario,
+        "trainer": trainer_scenario,
+    }[scenario]
     out = run(workdir, tokenizer, cache)
     torch.save(out, workdir / f"{scenario}-rank{os.environ['RANK']}.pt")
     if dist.is_initialized():

@@ -60,6 +60,12 @@ def fsdp_exact_run(workdir):
 
 
 @pytest.fixture(scope="module")
+def zero3_exact_run(workdir):
+    pytest.importorskip("deepspeed")
+    return launch("zero3_exact", workdir)
+
+
+@pytest.fixture(scope="module")
 def trainer_run(workdir):
     return launch("trainer", workdir)
 
@@ -170,29 +176,52 @@ def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run, prot
     assert ranks[0][f"{name}_forwards"] == ranks[1][f"{name}_forwards"] == max(len(share) for share in shares) >= 2
 
 
+def assert_float32_decisions(exact, truth: dict, float32: list) -> None:
+    """One rank's exact decisions of a sharded bf16 model: float32's, pair by pair, the rescored pairs named."""
+    assert isinstance(exact, dict), exact
+    # The rescored sentences' log-probs are float32's (the sharded model's own logits: float32 rounding only).
+    rescored = exact["float32_logprobs"]
+    error = max(abs(a - b) for i in rescored for a, b in zip(rescored[i], float32[i], strict=True))
+    assert error < 1e-4, error
+    assert exact["outcomes"] == truth  # every pair decided as float32 decides it
+    assert exact["record"]["precision"] == "bfloat16"
+    assert exact["record"]["rescored_pairs"] == sum(exact["rescored"]) > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["fsdp_bf16_weights", "fsdp_mixed_precision"])
-def test_fsdp2_bf16_decisions_equal_one_process_float32_of_the_same_weights(fsdp_exact_run, weights):
+@pytest.mark.parametrize("weights", ["fsdp_bf16_weights", "fsdp_mixed_precision", "fsdp1_bf16_weights", "fsdp1_mixed_precision"])
+def test_fsdp_bf16_decisions_equal_one_process_float32_of_the_same_weights(fsdp_exact_run, weights):
+    """FSDP2 (``fully_shard``) and FSDP1 (``FullyShardedDataParallel``): bf16 weights, and float32 ones gathered in
+    bf16 by a mixed-precision policy (FSDP1's casting each layer's inputs to bf16 too, kept in float32 here)."""
     ranks, _ = fsdp_exact_run
     truth, one = ranks[0]["float32_truth"], ranks[0]["bf16_one_process"]
     assert ranks[0]["bf16_fast"]["acc"] != truth["acc"]  # in bf16 some decisions are rounding: what is corrected
     assert one["outcomes"] == truth
     float32 = ranks[0]["float32_logprobs"]
-    if weights == "fsdp_mixed_precision":  # the float32 weights gathered in bf16; the buffers stay float32
+    if weights.endswith("mixed_precision"):  # the float32 weights gathered in bf16; the buffers stay float32
         truth, float32 = ranks[0]["float32_truth_mixed"], ranks[0]["float32_logprobs_mixed"]
     for out in ranks:
-        exact = out[weights]
-        assert isinstance(exact, dict), exact
-        # The rescored sentences' log-probs are float32's (FSDP's own logits against the tiled head: float32 rounding).
-        rescored = exact["float32_logprobs"]
-        error = max(abs(a - b) for i in rescored for a, b in zip(rescored[i], float32[i], strict=True))
-        assert error < 1e-4, error
-        assert exact["outcomes"] == truth  # every pair decided as float32 decides it, on both ranks
-        assert exact["record"]["precision"] == "bfloat16"
-        assert exact["record"]["rescored_pairs"] == sum(exact["rescored"]) > 0  # the rescored pairs, named
+        assert_float32_decisions(out[weights], truth, float32)
     assert ranks[0][weights]["rescored"] == ranks[1][weights]["rescored"]
-    assert ranks[0]["forwards"] == ranks[1]["forwards"]  # the same forward calls on both: in lockstep
-    assert ranks[0]["weights_kept"] == ranks[1]["weights_kept"] == [True, True]  # upcast for the forwards only
+    fsdp = "fsdp1_" if weights.startswith("fsdp1") else ""
+    assert ranks[0][f"{fsdp}forwards"] == ranks[1][f"{fsdp}forwards"]  # the same forward calls on both: in lockstep
+    assert ranks[0][f"{fsdp}weights_kept"] == ranks[1][f"{fsdp}weights_kept"] == [True, True]  # upcast for the forwards only
+
+
+@pytest.mark.slow
+def test_zero3_bf16_decisions_equal_one_process_float32_of_the_same_weights(zero3_exact_run):
+    ranks, _ = zero3_exact_run
+    truth, float32 = ranks[0]["float32_truth"], ranks[0]["float32_logprobs"]
+    assert ranks[0]["bf16_fast"]["acc"] != truth["acc"]  # in bf16 some decisions are rounding: what is corrected
+    for out in ranks:
+        assert out["partitioned"]  # every weight split over the two processes: each forward gathers them
+        assert out["precision"] == "bfloat16"
+        assert_float32_decisions(out["zero3"], truth, float32)  # DeepSpeed's gathered weights upcast in each call
+        # Upcast for the forwards only: still partitioned, in bf16, bit for bit; and training goes on.
+        assert out["partitioned_after"] and out["weights_kept"]
+        assert out["loss_after"] > 0
+    assert ranks[0]["zero3"]["rescored"] == ranks[1]["zero3"]["rescored"]
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0  # in lockstep
 
 
 # -- an HF Trainer under DDP ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_llama
 from tatblimp_callback.engine.greedy_head import greedy_logprobs
-from tatblimp_callback.engine.tiled_head import logprobs_and_greedy
+from tatblimp_callback.engine.tiled_head import first_max, logprobs_and_greedy
 
 
 def tied_head(vocab: int = 12, hidden: int = 4, seed: int = 0):
@@ -51,6 +51,34 @@ def test_greedy_flags_equal_argmax_on_random_logits_with_many_ties():
         _, greedy = logprobs_and_greedy(logits, None, None, None, contexts, targets, tile)
         assert greedy.tolist() == (logits.argmax(-1)[contexts] == targets).tolist(), tile
     assert 0 < int(greedy[1::5].sum()) < 40
+
+
+@pytest.mark.parametrize("columns", [128, 300, 1000, 90])
+def test_first_max_is_torch_max_by_blocks_ties_nan_and_infinities_included(columns):
+    generator = torch.Generator().manual_seed(columns)
+    logits = torch.randint(0, 30, (50, columns), generator=generator).float()  # many tied maxima, across blocks
+    logits[3] = float("-inf")
+    logits[4, 7] = logits[5, columns - 1] = float("nan")  # in a block; in the last columns (or a block)
+    logits[6, columns // 2] = logits[6, columns - 2] = float("inf")
+    logits[7, :] = 29.0  # every column the maximum: the first
+    top, first = first_max(logits)
+    expected_top, expected_first = logits.max(-1)
+    assert torch.equal(first, expected_first), (first - expected_first).nonzero()
+    assert torch.equal(top.nan_to_num(), expected_top.nan_to_num())
+    assert first[7] == 0 and first[4] == 7 and first[5] == columns - 1
+
+
+def test_greedy_flags_equal_argmax_on_a_wide_vocabulary_with_ties_across_blocks():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 60, (30, 700), generator=generator).float()
+    contexts = torch.arange(30).repeat_interleave(3)
+    targets = torch.randint(0, 700, (90,), generator=generator)
+    targets[::3] = logits.argmax(-1)
+    targets[1::3] = 699 - logits.flip(-1).argmax(-1)  # the last maximum: another block than the first, mostly
+    for tile in [(64, 700), (64, 256), (8, 300)]:
+        _, greedy = logprobs_and_greedy(logits, None, None, None, contexts, targets, tile)
+        assert greedy.tolist() == (logits.argmax(-1)[contexts] == targets).tolist(), tile
+    assert int(greedy[::3].sum()) == 30 and int(greedy[1::3].sum()) < 30
 
 
 def test_the_greedy_reader_computes_on_the_heads_device():

@@ -11,8 +11,8 @@ whole for the pass, ``precision.computing_in``) and their decisions replace the 
 log-probs stay the fast ones; the rescored pairs are named.
 
 Under ``torch.distributed`` every process has the same log-probs (summed over processes) and takes the union of
-the close pairs of all (one reduction), then every process rescores all of them, in lockstep: an FSDP2 model's
-forward is a collective, and every process runs the same rescoring forwards.
+the close pairs of all (one reduction), then every process rescores all of them, in lockstep: a sharded model's
+(FSDP1, FSDP2, ZeRO-3) forward is a collective, and every process runs the same rescoring forwards.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def decide_exactly(scorer, logprobs: torch.Tensor, sequences: Sequence[int] | No
     the cache); and what was done (``precision``, ``bound_per_token``, ``rescored_pairs``, ``seconds``).
 
     None where the scorer computes in float32 or more, scores forced-choice prompts, or has no float32 truth to
-    measure its rounding with (a model sharded by FSDP1 or ZeRO-3). Spans (``scored_spans``) are not pairs: never rescored.
+    measure its rounding with (a tensor-parallel model). Spans (``scored_spans``) are not pairs: never rescored.
     """
     if scorer.precision.itemsize >= 4 or scorer.cache.answer_ids or scorer.check.truth is None:
         return None

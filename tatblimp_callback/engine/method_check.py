@@ -131,7 +131,7 @@ class MethodCheck:
 
     def measured_rounding(self) -> torch.Tensor | None:
         """The method's per-token errors against the float32 truth on the sample, as last measured (at the check, or
-        now where the method was given); None without a truth (in float32, or sharded by FSDP1 or ZeRO-3). Call it in the
+        now where the method was given); None without a truth (in float32, or tensor parallel). Call it in the
         scoring precision."""
         if self.truth is None or self.method is None:
             return None

