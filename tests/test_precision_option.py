@@ -44,7 +44,10 @@ def test_a_bf16_mixed_precision_trainer_run_is_scored_in_bf16_by_default_and_say
     assert all(
         line["exact_decisions"]["precision"] == "bfloat16" and line["exact_decisions"]["bound_per_token"] > 0 for line in lines
     )
-    assert "dtype: float32  precision: bfloat16" in callback.last_results.format_table().splitlines()[0]
+    table = callback.last_results.format_table().splitlines()
+    assert "dtype: float32  precision: bfloat16" in table[0]
+    exact = lines[-1]["exact_decisions"]  # the table names what was rescored
+    assert f"decisions as float32 makes them: {exact['rescored_pairs']} pairs within rounding" in table[-1]
 
 
 def test_precision_float32_scores_the_float32_master_weights_exactly(bpe_tokenizer, small_data, tmp_path):
@@ -54,6 +57,7 @@ def test_precision_float32_scores_the_float32_master_weights_exactly(bpe_tokeniz
     assert fp32.run_info["precision"] == "float32"
     assert [line["precision"] for line in history(tmp_path)] == ["float32", "float32"]
     assert not any("exact_decisions" in line for line in history(tmp_path))
+    assert "decisions as float32" not in callback.last_results.format_table()
 
 
 def test_bf16_weights_scored_in_float32_are_upcast_for_the_forward_only(bpe_tokenizer, small_data):

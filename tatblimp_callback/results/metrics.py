@@ -283,6 +283,12 @@ class Results:
         o = self.overall
         if o.ties or o.ties_norm:
             lines.append(f"ties (counted as failures): {o.ties} raw, {o.ties_norm} normalised")
+        exact = self.run_info.get("exact_decisions")
+        if exact:  # scored below float32, every decision float32's
+            lines.append(
+                f"decisions as float32 makes them: {exact['rescored_pairs']} pairs within rounding "
+                f"({exact['bound_per_token']:.2g} nats per token) scored again in float32"
+            )
         if o.non_finite:
             bad = ", ".join(f"{name} {g.non_finite}" for name, g in self.phenomena.items() if g.non_finite)
             lines.append(
