@@ -343,10 +343,8 @@ def zero3_exact_scenario(workdir: Path, tokenizer, cache) -> dict:
     counter = count_forwards(sharded)
     results = outcome(lambda: Evaluator(cache=cache, memory_budget=BUDGET)(sharded))
     out["forwards"] = counter[0]
-    if isinstance(results, str):
-        out["zero3"] = results
-    else:
-        out["zero3"] = outcome(lambda: exact_decisions(results))  # a KeyError where none were made
+    # What exact decisions did: a KeyError where none were made.
+    out["zero3"] = results if isinstance(results, str) else outcome(lambda: exact_decisions(results))
     if isinstance(out["zero3"], dict):
         out["zero3"]["float32_logprobs"] = {
             i: (p.float32_good_logprob, p.float32_bad_logprob) for i, p in enumerate(results.pairs) if p.rescored
