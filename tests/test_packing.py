@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import pytest
 import torch
 
 from tatblimp_callback.engine.packing import build_layout, tree_rows
@@ -141,3 +145,41 @@ def test_every_scored_token_has_its_own_cell():
             for s, slot, target in zip(b.score_sentences.tolist(), b.score_slots.tolist(), b.score_targets.tolist())
         ]
         assert sorted(cells) == sorted((s, k, ids[k + 1]) for s, ids in enumerate(SENTENCES) for k in range(len(ids) - 1))
+
+
+def _random_sequences(seed: int) -> list[list[int]]:
+    """Sequences over a small vocabulary: long shared prefixes, prefixes of each other, repeats."""
+    rng = random.Random(seed)
+    stems = [[BOS] + [rng.randrange(2, 5) for _ in range(rng.randrange(0, 12))] for _ in range(6)]
+    sequences = [rng.choice(stems) + [rng.randrange(2, 9) for _ in range(rng.randrange(1, 6))] for _ in range(60)]
+    return sequences + sequences[:7] + [[*stem, 2] for stem in stems]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("continuations_only", [False, True])
+def test_random_trees_show_each_scored_token_its_own_sequence_and_read_only_its_contexts(seed, continuations_only):
+    # Each (context, target) the batches score: the positions its context sees (the tree mask) hold exactly its
+    # sequence's inputs so far, at position ids 0, 1, ...; every token from the first scored one is scored once, none
+    # before it; every position read is some scored token's context.
+    sequences = _random_sequences(seed)
+    rng = random.Random(seed)
+    scored_from = np.array([rng.randrange(0, len(ids) - 1) for ids in sequences]) if continuations_only else None
+    layout = build_layout(sequences, "tree", 20, 20 * 2, pad_id=BOS, scored_from=scored_from)
+    assert len(layout.batches) > 3 and layout.batches.rows.num_rows > 8
+    scored = []
+    for batch in layout.batches:
+        ids, positions = batch.input_ids.flatten(), batch.position_ids.flatten()
+        seen = batch.attention_mask[:, 0].flatten(0, 1)  # [rows x width (queries), width (keys)]
+        width = batch.input_ids.shape[1]
+        assert sorted(set(batch.score_contexts.tolist())) == list(range(len(batch.score_positions)))
+        for s, slot, target, context in zip(
+            batch.score_sentences.tolist(), batch.score_slots.tolist(), batch.score_targets.tolist(), batch.score_contexts
+        ):
+            query = int(batch.score_positions[context])
+            keys = (query // width) * width + seen[query].nonzero().flatten()
+            assert ids[keys].tolist() == sequences[s][: slot + 1] and positions[keys].tolist() == list(range(slot + 1))
+            assert target == sequences[s][slot + 1]
+            scored.append((s, slot))
+    first = scored_from if continuations_only else [0] * len(sequences)
+    assert sorted(scored) == [(s, k) for s, ids in enumerate(sequences) for k in range(first[s], len(ids) - 1)]
+    assert layout.scored_tokens == len(scored)

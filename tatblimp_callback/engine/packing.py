@@ -34,6 +34,7 @@ import torch
 
 from .rows import RowOrder, packed_order, padded_order, tree_order
 from .tree_mask import interval_mask
+from .tree_nodes import new_nodes, nodes_at, subtree_ends
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Batches(Sequence):
         self.rows = rows
         self.groups = groups  # (first row, end row, width) of each batch
         self.sequences = sequences
-        self.options = options  # pad_id, kind, answer_ids, tree_mask_dtype, device
+        self.options = options  # pad_id, kind, answer_ids, tree_mask_dtype, device, scored_from
         self.prepared: list[dict[str, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
@@ -122,7 +123,9 @@ class Batches(Sequence):
         """The compact arrays of batch ``index``, computed from the rows."""
         first, end, width = self.groups[index]
         o = self.options
-        return batch_arrays(self.sequences, self.rows, first, end, width, o["pad_id"], o["answer_ids"], o["kind"] == "tree")
+        return batch_arrays(
+            self.sequences, self.rows, first, end, width, o["pad_id"], o["answer_ids"], o["kind"] == "tree", o["scored_from"]
+        )
 
     def prepare(self) -> None:
         """Compute every batch's arrays now and keep them on the device: the plan every evaluation reuses."""
@@ -198,6 +201,7 @@ def build_layout(
     answer_ids: tuple[int, ...] = (),
     tree_mask_dtype: torch.dtype = torch.bool,
     plan_budget: int = 0,
+    scored_from: np.ndarray | None = None,
 ) -> Layout:
     """Rows of the given kind, grouped into batches of at most ``tokens_per_batch`` positions.
 
@@ -208,7 +212,8 @@ def build_layout(
     attend), or additive in this floating dtype (0 or its most negative value), as the model's
     attention wants it. ``plan_budget``: bytes the prepared batches may hold on ``device``; a plan
     estimated within it is computed now and kept (``Layout.plan_bytes``), otherwise each batch is
-    built when it is read.
+    built when it is read. ``scored_from``: per sequence (an index as ``chosen``'s), the first input read
+    for the token after it (lm-evaluation-harness requests: the continuation's first); without it, every input.
     """
     sequences = TokenSequences.of(sequences)
     chosen = np.arange(len(sequences)) if chosen is None else np.asarray(list(chosen), dtype=np.int64)
@@ -238,8 +243,12 @@ def build_layout(
         groups.append((start, end, width))
         total += (end - start) * width
         start = end
-    options = dict(pad_id=pad_id, kind=kind, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device)
-    scored = len(chosen) * len(answer_ids) if answer_ids else int(inputs.sum())
+    options = dict(kind=kind, pad_id=pad_id, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device)
+    options["scored_from"] = scored_from
+    if answer_ids:
+        scored = len(chosen) * len(answer_ids)
+    else:
+        scored = int(inputs.sum() - (0 if scored_from is None else np.minimum(scored_from[chosen], inputs).sum()))
     layout = Layout(
         kind=kind,
         batches=Batches(rows, groups, sequences, options),
@@ -254,31 +263,30 @@ def build_layout(
 
 
 def batch_arrays(
-    sequences: TokenSequences, rows: RowOrder, first: int, end: int, width: int, pad_id: int, answer_ids: tuple, tree: bool
+    sequences: TokenSequences,
+    rows: RowOrder,
+    first: int,
+    end: int,
+    width: int,
+    pad_id: int,
+    answer_ids: tuple,
+    tree: bool,
+    scored_from: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The compact arrays of the batch of rows ``first`` to ``end`` (exclusive), each ``width`` positions, with numpy.
 
     The sequences of these rows, in order, add their inputs after the ones they share with the previous
-    sequence (``rows.common``): their new nodes are numbered one after another, which for prefix trees
-    is the depth-first order of each row's tree. A shared input's node is that of the last sequence
-    that added it (a running maximum down the columns of a [sequences x depth] grid), and a node's
-    subtree ends where the next sequence that shares fewer inputs starts (a running minimum up them).
+    sequence (``rows.common``) as new nodes, numbered one after another (``tree_nodes``). The positions read
+    are the contexts of the scored tokens (every node, unless ``scored_from`` leaves some out).
     """
     lo, hi = rows.row_starts[first], rows.row_starts[end]
     seqs = rows.order[lo:hi]
     n, c = rows.inputs[lo:hi], rows.common[lo:hi]
-    m, depth = len(seqs), np.arange(int(n.max(initial=1)))
-    index = np.arange(m)
-    row_sizes = np.diff(rows.row_starts[first : end + 1])
-    row_of = np.repeat(np.arange(end - first), row_sizes)
+    m = len(seqs)
+    row_of = np.repeat(np.arange(end - first), np.diff(rows.row_starts[first : end + 1]))
     first_token = sequences.offsets[seqs]  # where each sequence's tokens start in ``sequences.ids``
-    new = n - c
-    base = np.cumsum(new) - new  # each sequence's first new node
+    base, node_seq, node_depth = new_nodes(n, c)
     row_base = base[rows.row_starts[first:end] - lo]  # each row's first node
-    beyond_shared = depth >= c[:, None]
-    owner = np.maximum.accumulate(np.where(beyond_shared, index[:, None], -1), axis=0)
-    node = base[owner] + depth - c[owner]  # [m, depth]: the node of each input (where depth < n)
-    node_seq, node_depth = np.nonzero(beyond_shared & (depth < n[:, None]))  # in node order
     node_row = row_of[node_seq]
     flat = node_row * width + np.arange(len(node_seq)) - row_base[node_row]
     used = np.bincount(node_row, minlength=end - first)
@@ -290,26 +298,29 @@ def batch_arrays(
     position_ids[flat] = node_depth
     arrays = {"input_ids": input_ids, "position_ids": position_ids}
     if tree:
-        shares_less = np.where(c[:, None] <= depth, index[:, None], m)  # sequences that leave a subtree at that depth
-        following = np.minimum.accumulate(shares_less[::-1], axis=0)[::-1]
-        following = np.vstack([following[1:], np.full((1, len(depth)), m)])
-        subtree_end = np.append(base, new.sum())[following[node_seq, node_depth]]
         sizes = np.ones((end - first) * width, dtype=small)  # padding: a subtree of its own column only
-        sizes[flat] = subtree_end - np.arange(len(node_seq))
+        sizes[flat] = subtree_ends(n, c, base) - np.arange(len(node_seq))
         arrays["sizes"] = sizes
     else:
         arrays["used"] = used.astype(np.int32)
+    index = np.arange(m)
     if answer_ids:  # a prompt's last input is read, once per answer
-        last, contexts = np.unique(node[index, n - 1], return_inverse=True)
+        last, contexts = np.unique(nodes_at(index, n - 1, base, c, node_depth), return_inverse=True)
         arrays["score_positions"] = flat[last].astype(np.int32)
         arrays["score_contexts"] = np.repeat(contexts.astype(np.int32), len(answer_ids))
         arrays["score_targets"] = np.tile(np.asarray(answer_ids, dtype=np.int32), m)
         arrays["score_sentences"] = np.repeat(seqs.astype(np.int32), len(answer_ids))
         arrays["score_slots"] = np.tile(np.arange(len(answer_ids), dtype=np.int16), m)
-    else:  # every input is read (each node is its adder's context), for the token after it
-        scored_seq, scored_depth = np.nonzero(depth < n[:, None])
-        arrays["score_positions"] = flat.astype(np.int32)
-        arrays["score_contexts"] = node[scored_seq, scored_depth].astype(np.int32)
+    else:  # each input from its sequence's first scored one on is read (its node is the context), for the token after it
+        skipped = np.zeros(m, dtype=np.int64) if scored_from is None else np.minimum(scored_from[seqs], n)
+        count = n - skipped
+        scored_seq = np.repeat(index, count)
+        scored_depth = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - skipped, count)
+        read = np.zeros(len(node_seq), dtype=bool)  # the nodes some scored token is read at, in node order
+        contexts = nodes_at(scored_seq, scored_depth, base, c, node_depth)
+        read[contexts] = True
+        arrays["score_positions"] = flat[read].astype(np.int32)
+        arrays["score_contexts"] = (np.cumsum(read) - 1)[contexts].astype(np.int32)
         arrays["score_targets"] = sequences.ids[first_token[scored_seq] + scored_depth + 1]
         arrays["score_sentences"] = seqs[scored_seq].astype(np.int32)
         arrays["score_slots"] = scored_depth.astype(small)

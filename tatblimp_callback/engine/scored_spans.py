@@ -96,11 +96,12 @@ class SpanReader:
         self.first, self.count = first, len(scored)
         self.is_span = torch.zeros(sequences, dtype=torch.bool, device=cells.device)
         self.is_span[first : first + len(scored)] = True
-        # Each sequence's first scored slot: 0 for a sentence, the continuation's first for a span.
-        self.first_slot = torch.zeros(sequences, dtype=torch.long, device=cells.device)
         widths = cells.widths[first : first + len(scored)]
         scored = torch.tensor(list(scored), dtype=torch.long, device=cells.device)
-        self.first_slot[first : first + len(scored)] = widths - scored
+        # Each sequence's first scored slot (0 for a sentence, the continuation's first for a span), on the host: the
+        # layouts of the passes that read the spans hold no (context, target) pair before it (``packing.build_layout``).
+        self.scored_from = np.zeros(sequences, dtype=np.int64)
+        self.scored_from[first : first + len(scored)] = (widths - scored).cpu().numpy()
         # Every span's continuation cells, and the span of each: what ``greedy`` reads (not every cell of the cache).
         self._owner = torch.repeat_interleave(torch.arange(len(scored), device=cells.device), scored)
         within = torch.arange(len(self._owner), device=cells.device) - (scored.cumsum(0) - scored)[self._owner]
@@ -130,16 +131,14 @@ class SpanReader:
         ``read(output, part)`` (the scorer's head), the spans' continuations' from ``greedy_head`` (their misses
         noted), 0 for a span's context tokens. ``output``: the forward call's hidden states (or logits) at the
         batch's read positions."""
-        sequences, slots = batch.score_sentences, batch.score_slots
-        span = self.is_span[sequences]
-        wanted = slots >= self.first_slot[sequences]
-        logprobs = torch.zeros(slots.shape, dtype=torch.float32, device=self.cells.device)
-        plain, mine = ~span, span & wanted
+        mine = self.is_span[batch.score_sentences]  # the layout holds a span's continuation tokens only (``scored_from``)
+        logprobs = torch.zeros(mine.shape, dtype=torch.float32, device=self.cells.device)
+        plain = ~mine
         any_plain, any_mine = torch.stack([plain.any(), mine.any()]).tolist()  # the batch's one sync of its own
         if any_plain:
             logprobs[plain] = read(*_narrowed(output, batch, plain)).to(logprobs.device)
         if any_mine:
-            hidden, part = _narrowed(output, batch, mine)
+            hidden, part = _narrowed(output, batch, mine) if any_plain else (output, batch)  # spans alone: all of it
             lp, top = greedy_logprobs(scorer.lm, hidden, part.score_contexts, part.score_targets, head, scorer.memory_budget)
             logprobs[mine] = lp.to(logprobs.device)
             self.misses[self.cells.starts[part.score_sentences] + part.score_slots] = (~top).to(self.misses)

@@ -246,7 +246,7 @@ class Scorer:
         self.setup_seconds["method_check"] = time.perf_counter() - start - self.setup_seconds["plan"]
         self._token_cells = None  # freed before this evaluation's own cells are made
         if self.method.head == "tiled" and self.head.method is None:  # the first evaluation: time the head's candidates
-            layout, setup = self._layout(self.method, sequences, keep=True), sum(self.setup_seconds.values())
+            layout, setup = self._layout(self.method, sequences, True, self.spans), sum(self.setup_seconds.values())
             self.head.begin(layout, bool(self.cache.answer_ids), self._head_weight(), self._dtype(), self.memory_budget, setup)
         if self.spans is not None:
             self.spans.begin()
@@ -287,7 +287,7 @@ class Scorer:
         """The row layout used for ``kind`` (default: the chosen method's) and ``sequences`` (default: all), built once per budget."""
         head = self.method.head if self.method else self._heads()[0]
         kind = kind or (self.method.layout if self.method else layouts_to_try(self.lm)[0])
-        return self._layout(ScoringMethod(kind, head), sequences, keep=True)
+        return self._layout(ScoringMethod(kind, head), sequences, True, self.spans)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -308,15 +308,20 @@ class Scorer:
 
     # -- the computation ------------------------------------------------------------------------
 
-    def _layout(self, method: ScoringMethod, sequences: range | list[int] | None = None, keep: bool = False) -> Layout:
+    def _layout(
+        self, method: ScoringMethod, sequences: range | list[int] | None = None, keep: bool = False, spans=None
+    ) -> Layout:
         """The rows of ``method.layout`` for all sequences or for ``sequences``; kept (once per budget) with ``keep``.
 
         A kept layout is the plan every evaluation reuses: its batches are prepared once, as compact
         tensors on the device, when they fit ``PLAN_SHARE`` of the budget, and built when read otherwise.
         A new budget (after out-of-memory) makes a new plan; a new cache, device or dtype a new scorer.
+        With ``spans`` (the pass that reads them, ``scored_spans.SpanReader``) a span's context tokens are
+        not read at all: only its continuation's (context, target) pairs are in the batches.
         """
         key = (method.layout, self.row_length, self._positions_per_forward(method.head))
         key += () if sequences is None else (tuple(sequences),)
+        key += () if spans is None else ("spans' continuations only",)
         if key in self._layouts:
             return self._layouts[key]
         if self._sequences is None:
@@ -334,6 +339,7 @@ class Scorer:
             answer_ids=self.cache.answer_ids,
             tree_mask_dtype=tree_mask_dtype(self.lm) or torch.bool,
             plan_budget=self.memory_budget // PLAN_SHARE if keep or sequences is None else 0,
+            scored_from=None if spans is None else spans.scored_from,
         )
         self.setup_seconds["plan"] += time.perf_counter() - start
         if keep or sequences is None:

@@ -24,10 +24,10 @@ def score_cells(
     cell comes from one process, zeros from the others: exact); otherwise (the method check's sample) every process
     runs them all. A filler batch only keeps a sharded model's forward calls in step. Each batch is built when it is
     read and freed before the next; the kept plan's (``keep_layout``) may be CUDA graphs' replays. With ``spans``
-    (``scored_spans.SpanReader``) their sequences' context tokens are not read, and their greedy flags are kept.
+    (``scored_spans.SpanReader``) their sequences' context tokens are not in the layout, and their greedy flags are kept.
     """
     cells = scorer.cells.empty()
-    layout = scorer._layout(method, sequences, keep=keep_layout)
+    layout = scorer._layout(method, sequences, keep_layout, spans)
     split = (sequences is None if split is None else split) and not scorer.tensor_parallel
     graphs = keep_layout and scorer.graphs.batches(layout, (method, scorer.head_method), scorer.head.choosing, spans)
     for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=scorer.sharded):

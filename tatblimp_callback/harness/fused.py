@@ -68,13 +68,39 @@ def request_tokens(requests: Sequence[Request], max_length: int) -> tuple[np.nda
         k = int(bad[0])
         _check_request(k, context_lengths[k], continuation_lengths[k], max_length)
     lengths = context_lengths + continuation_lengths
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain.from_iterable(requests)), dtype=np.int64, count=int(lengths.sum())
-    )
+    tokens = _joined_tokens(contexts, continuations, context_lengths, continuation_lengths)
     cut = lengths - np.minimum(lengths, max_length + 1)  # tokens cut from the left, as HFLM cuts them
     if cut.any():
         tokens, lengths = tokens[~_leading(cut, lengths)], lengths - cut
     return tokens, lengths, continuation_lengths
+
+
+def _joined_tokens(contexts, continuations, context_lengths: np.ndarray, continuation_lengths: np.ndarray) -> np.ndarray:
+    """Each request's context and continuation token ids, one request after another, read in C.
+
+    A context list that several requests hold (the harness model hands out one list per distinct string: a question's
+    choices share their context's) is read once and copied by numpy, not read again from Python's ints for each.
+    """
+    count = len(contexts)
+    first_holder = {}  # a context list's id -> the first request holding it (the lists live as long as the requests)
+    holder = np.fromiter(map(first_holder.setdefault, map(id, contexts), range(count)), dtype=np.int64, count=count)
+    if len(first_holder) == count:  # no list held twice: the whole requests in one pass
+        pairs = itertools.chain.from_iterable(zip(contexts, continuations))
+        total = int(context_lengths.sum() + continuation_lengths.sum())
+        return np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=total)
+    firsts = np.fromiter(first_holder.values(), dtype=np.int64, count=len(first_holder))
+    read = np.zeros(count, dtype=np.int64)  # where each request's context starts among the distinct ones read
+    read[firsts] = np.cumsum(context_lengths[firsts]) - context_lengths[firsts]
+    distinct = itertools.chain.from_iterable(map(contexts.__getitem__, firsts.tolist()))
+    parts = [
+        np.fromiter(distinct, dtype=np.int64, count=int(context_lengths[firsts].sum())),
+        np.fromiter(itertools.chain.from_iterable(continuations), dtype=np.int64, count=int(continuation_lengths.sum())),
+    ]
+    # Request k's tokens are two runs, its context's among the distinct ones read, then its continuation's after them.
+    runs = np.stack([context_lengths, continuation_lengths], axis=1).ravel()
+    run_sources = np.stack([read[holder], len(parts[0]) + np.cumsum(continuation_lengths) - continuation_lengths], axis=1)
+    shift = np.repeat(run_sources.ravel() - (np.cumsum(runs) - runs), runs)
+    return np.concatenate(parts)[np.arange(len(shift)) + shift]
 
 
 def _leading(counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

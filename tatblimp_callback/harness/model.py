@@ -69,7 +69,9 @@ class TatBLiMPLM(HFLM):
         known = None if self._encoded is None or kwargs else self._encoded.get((string, add_special_tokens))
         if known is None:
             return super().tok_encode(string, add_special_tokens, left_truncate_len, **kwargs)
-        return known[-left_truncate_len:] if left_truncate_len else list(known)
+        # The list itself, not a copy: the harness only reads it, and a question's choices then hold one context list,
+        # which ``fused.request_tokens`` reads once.
+        return known[-left_truncate_len:] if left_truncate_len else known
 
     @contextmanager
     def _encodings(self, requests):
