@@ -24,7 +24,8 @@ multiple of it: no exact scorer can be faster than that floor, so ``hf``'s multi
 (issue #52): a near-free model (``--shape free``: 1 layer, hidden 8), the multiple-choice requests, each call split
 into the harness's encoding (``TemplateLM.loglikelihood`` before ``_loglikelihood_tokens``), the model's body (its
 ``base_model`` forward), the head (the greedy reader) and the rest: planning, caches and Python per request, the
-host time (also in the process's CPU seconds, ``host_cpu``, which the waits of a loaded machine do not add to).
+host time (also in the process's CPU seconds, ``host_cpu``, which the waits of a loaded machine do not add to), and
+of it the CPU tree mask (``tree_mask``: rows x width x width booleans, the attention's input, which a GPU makes itself).
 Best of ``--rounds`` warm calls (after one that chooses the scoring method) as for new requests (the
 harness model's latest plan dropped first), and of as many with the same requests again.
 """
@@ -169,9 +170,10 @@ def measure(name, requests, models, device, rounds: int, memory_requests: int, l
 def host_profile(lm, requests, rounds: int, device) -> dict:
     """Seconds of a warm ``loglikelihood`` call spent encoding, in the model's body, in the head, and on the host
     otherwise (the best call of ``rounds``, by its host time)."""
+    import tatblimp_callback.engine.packing as packing_module
     import tatblimp_callback.engine.scored_spans as spans_module
 
-    spent = {"body": 0.0, "head": 0.0, "scoring": 0.0}
+    spent = {"body": 0.0, "head": 0.0, "scoring": 0.0, "tree_mask": 0.0}
     cpu = dict(spent)  # the same in the process's CPU seconds: on a loaded machine, without the waits for a core
 
     def clocked(name, fn):
@@ -194,6 +196,9 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
 
         reader = ("head_logprobs_and_greedy", reader_module)
     originals.append((reader[1], reader[0], getattr(reader[1], reader[0])))
+    if hasattr(packing_module, "interval_mask"):  # the CPU tree mask: part of the host time, the attention's input
+        originals.append((packing_module, "interval_mask", packing_module.interval_mask))
+        packing_module.interval_mask = clocked("tree_mask", packing_module.interval_mask)
     body.forward = clocked("body", body.forward)
     lm._loglikelihood_tokens = clocked("scoring", lm._loglikelihood_tokens)
     setattr(reader[1], reader[0], clocked("head", getattr(reader[1], reader[0])))
@@ -203,7 +208,7 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
         for k in range(2 * rounds):
             if k % 2 == 0 and hasattr(lm.request_scorer, "_scorer"):
                 lm.request_scorer._scorer = None  # as for requests it has not seen: the plan made again
-            spent.update(body=0.0, head=0.0, scoring=0.0)
+            spent.update(body=0.0, head=0.0, scoring=0.0, tree_mask=0.0)
             cpu.update(spent)
             _, seconds, _ = timed(lambda: lm.loglikelihood(requests, disable_tqdm=True), device)
             host = spent["scoring"] - spent["body"] - spent["head"]
@@ -216,6 +221,7 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
                     "head": spent["head"],
                     "host": host,
                     "host_cpu": cpu["scoring"] - cpu["body"] - cpu["head"],
+                    "tree_mask": spent["tree_mask"],
                 }
             )
     finally:
@@ -231,6 +237,8 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
         "requests": len(requests),
         "host_per_1000_requests": 1000 * best["host"] / len(requests),
         "encoding_per_1000_requests": 1000 * best["encoding"] / len(requests),
+        # What is left without the CPU tree mask (rows x width x width booleans, made where the model runs).
+        "host_without_tree_mask_per_1000_requests": 1000 * (best["host"] - best["tree_mask"]) / len(requests),
         "same_requests_again_host_per_1000_requests": 1000 * again["host"] / len(requests),
         # The host's CPU seconds (the best call by them): what the load of other processes does not add to.
         "host_cpu_per_1000_requests": 1000 * min(c["host_cpu"] for c in calls if not c["same_requests_again"]) / len(requests),
@@ -289,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"(per 1,000 requests: host {profile['host_per_1000_requests']:.3f} s, encoding "
                 f"{profile['encoding_per_1000_requests']:.3f} s; the same requests again: host "
                 f"{profile['same_requests_again_host_per_1000_requests']:.3f} s; host CPU seconds per 1,000 requests "
-                f"{profile['host_cpu_per_1000_requests']:.3f}, again {profile['same_requests_again_host_cpu_per_1000_requests']:.3f})"
+                f"{profile['host_cpu_per_1000_requests']:.3f}, again {profile['same_requests_again_host_cpu_per_1000_requests']:.3f}; "
+                f"without the tree mask {profile['host_without_tree_mask_per_1000_requests']:.3f} s)"
             )
         args.tasks = ""
     tasks = args.tasks.split(",")
