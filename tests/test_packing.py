@@ -147,25 +147,23 @@ def test_every_scored_token_has_its_own_cell():
         assert sorted(cells) == sorted((s, k, ids[k + 1]) for s, ids in enumerate(SENTENCES) for k in range(len(ids) - 1))
 
 
-def _random_sequences(seed: int) -> list[list[int]]:
+def _random_sequences(seed: int, stem_tokens: tuple[int, int] = (0, 12), count: int = 60) -> list[list[int]]:
     """Sequences over a small vocabulary: long shared prefixes, prefixes of each other, repeats."""
     rng = random.Random(seed)
-    stems = [[BOS] + [rng.randrange(2, 5) for _ in range(rng.randrange(0, 12))] for _ in range(6)]
-    sequences = [rng.choice(stems) + [rng.randrange(2, 9) for _ in range(rng.randrange(1, 6))] for _ in range(60)]
+    stems = [[BOS] + [rng.randrange(2, 5) for _ in range(rng.randrange(*stem_tokens))] for _ in range(6)]
+    sequences = [rng.choice(stems) + [rng.randrange(2, 9) for _ in range(rng.randrange(1, 6))] for _ in range(count)]
     return sequences + sequences[:7] + [[*stem, 2] for stem in stems]
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("continuations_only", [False, True])
-def test_random_trees_show_each_scored_token_its_own_sequence_and_read_only_its_contexts(seed, continuations_only):
-    # Each (context, target) the batches score: the positions its context sees (the tree mask) hold exactly its
-    # sequence's inputs so far, at position ids 0, 1, ...; every token from the first scored one is scored once, none
-    # before it; every position read is some scored token's context.
-    sequences = _random_sequences(seed)
+def _scored_from(sequences: list[list[int]], seed: int, continuations_only: bool) -> np.ndarray | None:
     rng = random.Random(seed)
-    scored_from = np.array([rng.randrange(0, len(ids) - 1) for ids in sequences]) if continuations_only else None
-    layout = build_layout(sequences, "tree", 20, 20 * 2, pad_id=BOS, scored_from=scored_from)
-    assert len(layout.batches) > 3 and layout.batches.rows.num_rows > 8
+    return np.array([rng.randrange(0, len(ids) - 1) for ids in sequences]) if continuations_only else None
+
+
+def _assert_each_scored_token_sees_its_own_sequence(layout, sequences, scored_from) -> None:
+    """Each (context, target) the batches score: the positions its context sees (the tree mask) hold exactly its
+    sequence's inputs so far, at position ids 0, 1, ...; every token from the first scored one is scored once, none
+    before it; every position read is some scored token's context."""
     scored = []
     for batch in layout.batches:
         ids, positions = batch.input_ids.flatten(), batch.position_ids.flatten()
@@ -180,6 +178,26 @@ def test_random_trees_show_each_scored_token_its_own_sequence_and_read_only_its_
             assert ids[keys].tolist() == sequences[s][: slot + 1] and positions[keys].tolist() == list(range(slot + 1))
             assert target == sequences[s][slot + 1]
             scored.append((s, slot))
-    first = scored_from if continuations_only else [0] * len(sequences)
+    first = [0] * len(sequences) if scored_from is None else scored_from
     assert sorted(scored) == [(s, k) for s, ids in enumerate(sequences) for k in range(first[s], len(ids) - 1)]
     assert layout.scored_tokens == len(scored)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("continuations_only", [False, True])
+def test_random_trees_show_each_scored_token_its_own_sequence_and_read_only_its_contexts(seed, continuations_only):
+    sequences = _random_sequences(seed)
+    scored_from = _scored_from(sequences, seed, continuations_only)
+    layout = build_layout(sequences, "tree", 20, 20 * 2, pad_id=BOS, scored_from=scored_from)
+    assert len(layout.batches) > 3 and layout.batches.rows.num_rows > 8
+    _assert_each_scored_token_sees_its_own_sequence(layout, sequences, scored_from)
+
+
+@pytest.mark.parametrize("continuations_only", [False, True])
+def test_deep_random_trees_show_each_scored_token_its_own_sequence(continuations_only):
+    # Shared prefixes deeper than 256 inputs: the depths are sorted as 16-bit integers (tree_nodes.nodes_at).
+    sequences = _random_sequences(0, stem_tokens=(260, 300), count=12)
+    scored_from = _scored_from(sequences, 0, continuations_only)
+    layout = build_layout(sequences, "tree", 700, 700, pad_id=BOS, scored_from=scored_from)
+    assert len(layout.batches) > 1 and layout.batches.rows.common.max() > 256
+    _assert_each_scored_token_sees_its_own_sequence(layout, sequences, scored_from)

@@ -243,8 +243,9 @@ def build_layout(
         groups.append((start, end, width))
         total += (end - start) * width
         start = end
-    options = dict(kind=kind, pad_id=pad_id, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device)
-    options["scored_from"] = scored_from
+    options = dict(
+        pad_id=pad_id, kind=kind, answer_ids=answer_ids, tree_mask_dtype=tree_mask_dtype, device=device, scored_from=scored_from
+    )
     if answer_ids:
         scored = len(chosen) * len(answer_ids)
     else:
