@@ -1,6 +1,6 @@
 """The harness model's host work without a Python step per request (issue #52, item 4): the requests read into
-arrays in one pass, the prefix-tree order sorted as byte strings, the tree mask compared by numpy on the CPU.
-Each is checked against the per-request (or per-column) computation it replaces."""
+arrays in one pass, the prefix-tree order sorted as byte strings (the distinct contexts once), the tree mask compared
+by numpy on the CPU. Each is checked against the per-request (or per-column) computation it replaces."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from tatblimp_callback.engine.rows import sorted_order, tree_order
+from tatblimp_callback.engine.packing import TokenSequences, build_layout
+from tatblimp_callback.engine.rows import padded_matrix, prefix_order, shared_prefix_order, sorted_order, tree_order
 from tatblimp_callback.engine.tree_mask import interval_mask
 from tatblimp_callback.harness.fused import RequestScorer, request_sequences, request_tokens
 
@@ -37,7 +38,7 @@ def test_request_tokens_are_the_request_sequences_end_to_end(max_length):
     rng = random.Random(max_length)
     requests = [r for r in random_requests(rng, 300) if len(r[1]) <= max_length]
     sequences, continuation_lengths = request_sequences(requests, max_length)
-    tokens, lengths, continuations = request_tokens(requests, max_length)
+    tokens, lengths, continuations, _shared = request_tokens(requests, max_length)
     assert any(len(c) + len(k) > max_length + 1 for c, k in requests) == (max_length < 2048)  # some cut from the left
     assert tokens.tolist() == [t for s in sequences for t in s]
     assert lengths.tolist() == [len(s) for s in sequences]
@@ -77,6 +78,62 @@ def test_sorted_order_is_lexsorts_order_of_the_padded_sequences():
         assert sorted(range(len(sequences)), key=sequences.__getitem__) == expected.tolist(), trial  # as lists sort
         if inputs.min() > 0:
             assert tree_order(matrix, inputs, int(inputs.max()) * 3).order.tolist() == expected.tolist(), trial
+
+
+def question_requests(rng: random.Random, questions: int, nested: bool) -> list[tuple[list[int], list[int]]]:
+    """Multiple-choice requests as the harness model hands them out: a question's choices hold one context list. Some
+    questions ask again with an equal context in a list of its own, some contexts start alike (a few-shot prefix);
+    with ``nested``, some contexts are also another's first tokens (a proper prefix)."""
+    token = lambda: rng.choice(AWKWARD_IDS) if rng.random() < 0.3 else rng.randrange(50_000)  # noqa: E731
+    shot = [token() for _ in range(rng.randint(1, 30))]
+    contexts, requests = [], []
+    for _ in range(questions):
+        draw = rng.random()
+        if contexts and draw < 0.15:
+            context = list(rng.choice(contexts))  # equal tokens, another list
+        elif contexts and nested and draw < 0.3:
+            context = rng.choice(contexts)[: rng.randint(1, 8)]
+        else:
+            context = (shot if rng.random() < 0.5 else []) + [token() for _ in range(rng.randint(1, 30))]
+        contexts.append(context)
+        choices = [[token() for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 4))]
+        choices += [list(choices[0])] if rng.random() < 0.2 else []  # the same choice twice
+        choices += [[*choices[0][:1], token()]] if rng.random() < 0.3 else []  # choices that start alike
+        requests += [(context, choice) for choice in choices]
+    order = list(range(len(requests)))
+    rng.shuffle(order)
+    return [requests[k] for k in order]
+
+
+def test_the_order_of_shared_contexts_is_the_sort_of_the_whole_sequences():
+    """Sorting the distinct contexts once and then each request's continuation gives the order, and the tokens each
+    shares with the one before, that sorting the whole sequences gives; where a context is another's proper prefix
+    the harness model sorts the whole sequences. Either way its layout's batches are those of the whole sort."""
+    rng = random.Random(5)
+    used = {True: 0, False: 0}
+    for trial in range(40):
+        nested = trial % 2 == 1
+        requests = question_requests(rng, rng.randint(1, 60), nested)
+        tokens, lengths, _, shared = request_tokens(requests, 2048)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        inputs = lengths - 1
+        expected = prefix_order(padded_matrix(tokens, offsets[:-1], inputs), inputs)
+        known = shared_prefix_order(tokens, offsets[:-1], inputs, *shared)
+        distinct = {tuple(context) for context, _ in requests}
+        nested_contexts = any(a != b and b[: len(a)] == a for a in distinct for b in distinct)
+        assert (known is None) == nested_contexts, trial
+        used[known is not None] += 1
+        if known is not None:
+            assert known[0].tolist() == expected[0].tolist(), trial
+            assert known[1].tolist() == expected[1].tolist(), trial
+        for row_length in (int(inputs.max()), 3 * int(inputs.max())):
+            plain = build_layout(TokenSequences(tokens, offsets), "tree", row_length, 4 * row_length, pad_id=0)
+            hinted = build_layout(TokenSequences(tokens, offsets, shared), "tree", row_length, 4 * row_length, pad_id=0)
+            assert len(plain.batches) == len(hinted.batches)
+            for k in range(len(plain.batches)):
+                a, b = plain.batches.arrays(k), hinted.batches.arrays(k)
+                assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a), (trial, k)
+    assert used[True] >= 15 and used[False] >= 5, used  # both ways, often
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16])

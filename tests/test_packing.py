@@ -163,8 +163,10 @@ def _scored_from(sequences: list[list[int]], seed: int, continuations_only: bool
 def _assert_each_scored_token_sees_its_own_sequence(layout, sequences, scored_from) -> None:
     """Each (context, target) the batches score: the positions its context sees (the tree mask) hold exactly its
     sequence's inputs so far, at position ids 0, 1, ...; every token from the first scored one is scored once, none
-    before it; every position read is some scored token's context."""
+    before it, its slot counted from there (a span's cells are its scored tokens'); every position read is some scored
+    token's context."""
     scored = []
+    first = [0] * len(sequences) if scored_from is None else scored_from
     for batch in layout.batches:
         ids, positions = batch.input_ids.flatten(), batch.position_ids.flatten()
         seen = batch.attention_mask[:, 0].flatten(0, 1)  # [rows x width (queries), width (keys)]
@@ -175,10 +177,10 @@ def _assert_each_scored_token_sees_its_own_sequence(layout, sequences, scored_fr
         ):
             query = int(batch.score_positions[context])
             keys = (query // width) * width + seen[query].nonzero().flatten()
-            assert ids[keys].tolist() == sequences[s][: slot + 1] and positions[keys].tolist() == list(range(slot + 1))
-            assert target == sequences[s][slot + 1]
-            scored.append((s, slot))
-    first = [0] * len(sequences) if scored_from is None else scored_from
+            depth = first[s] + slot
+            assert ids[keys].tolist() == sequences[s][: depth + 1] and positions[keys].tolist() == list(range(depth + 1))
+            assert target == sequences[s][depth + 1]
+            scored.append((s, depth))
     assert sorted(scored) == [(s, k) for s, ids in enumerate(sequences) for k in range(first[s], len(ids) - 1)]
     assert layout.scored_tokens == len(scored)
 
@@ -195,7 +197,7 @@ def test_random_trees_show_each_scored_token_its_own_sequence_and_read_only_its_
 
 @pytest.mark.parametrize("continuations_only", [False, True])
 def test_deep_random_trees_show_each_scored_token_its_own_sequence(continuations_only):
-    # Shared prefixes deeper than 256 inputs: the depths are sorted as 16-bit integers (tree_nodes.nodes_at).
+    # Shared prefixes deeper than 256 inputs (a depth's 8-bit or 16-bit wrap-around would show).
     sequences = _random_sequences(0, stem_tokens=(260, 300), count=12)
     scored_from = _scored_from(sequences, 0, continuations_only)
     layout = build_layout(sequences, "tree", 700, 700, pad_id=BOS, scored_from=scored_from)

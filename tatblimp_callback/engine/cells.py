@@ -1,7 +1,8 @@
 """Where each log-prob lands, and how the cells are reduced: the readout's last steps.
 
 Every scored token (sentences) or answer (prompts) has its own cell: a sequence's cells follow each
-other, in token (or answer) order, and the sequences' in cache order. A batch writes its log-probs
+other, in token (or answer) order, and the sequences' in cache order. A span (``scored_spans``: a harness request,
+scored on its continuation only) has a cell for each continuation token alone; its slots count from the first. A batch writes its log-probs
 into their cells once (``write``); a sentence's log-prob is then the sum of its cells, added from the
 left as Python's ``sum()`` adds a list (``reduce``), so it is exactly the sum of its token log-probs on
 any device, whatever the batching and the number of processes.
@@ -16,7 +17,8 @@ from ..tokenized.cache import SentenceCache
 
 
 class Cells:
-    """The cells of a cache's sequences: a sentence of n tokens has n - 1 (its scored tokens), a prompt one per answer."""
+    """The cells of a cache's sequences: a sentence of n tokens has n - 1 (its scored tokens), a span one per scored
+    token (``cache.span_tokens``), a prompt one per answer."""
 
     def __init__(self, cache: SentenceCache):
         self.answers = len(cache.answer_ids)
@@ -25,6 +27,8 @@ class Cells:
             widths = torch.full((cache.num_sentences,), self.answers)
         else:
             widths = torch.tensor(self.lengths, dtype=torch.long) - 1
+            if cache.span_tokens:
+                widths[len(widths) - len(cache.span_tokens) :] = torch.tensor(cache.span_tokens, dtype=torch.long)
         self.widths = widths.to(cache.device)  # each sequence's number of cells
         self.starts = (widths.cumsum(0) - widths).to(cache.device)  # each sequence's first cell
         self.total = int(widths.sum())
@@ -85,7 +89,6 @@ class Cells:
         return total
 
     def per_sentence(self, cells: torch.Tensor) -> list[list[float]]:
-        """Each sentence's cells as a list of floats, in token order."""
+        """Each sentence's cells as a list of floats, in token order (a span's: its scored tokens')."""
         values = cells.cpu().double().tolist()
-        starts = self.starts.tolist()
-        return [values[start : start + length - 1] for start, length in zip(starts, self.lengths)]
+        return [values[start : start + width] for start, width in zip(self.starts.tolist(), self.widths.tolist())]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .rows import RowOrder, packed_order, padded_order, tree_order
+from .rows import RowOrder, packed_order, padded_matrix, padded_order, shared_prefix_order, tree_order, trees_in_rows
 from .tree_mask import interval_mask
 from .tree_nodes import new_nodes, nodes_at, subtree_ends
 
@@ -64,9 +64,13 @@ class TokenSequences(Sequence):
     about ten times as much.
     """
 
-    def __init__(self, token_ids: torch.Tensor, offsets: torch.Tensor):
-        self.ids = token_ids.cpu().numpy().astype(np.int32)
-        self.offsets = offsets.cpu().numpy().astype(np.int64)
+    def __init__(self, token_ids: torch.Tensor | np.ndarray, offsets: torch.Tensor | np.ndarray, shared_prefixes=None):
+        self.ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int32)
+        self.offsets = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets).astype(np.int64)
+        # (holder, prefix) where the maker knows them: sequence k starts with the first prefix[k] tokens of sequence
+        # holder[k] (the harness's requests: a question's choices hold its context), so that tree rows sort the
+        # distinct prefixes once (``rows.shared_prefix_order``).
+        self.shared_prefixes: tuple[np.ndarray, np.ndarray] | None = shared_prefixes
 
     @classmethod
     def of(cls, sequences: Sequence[list[int]]) -> TokenSequences:
@@ -213,14 +217,20 @@ def build_layout(
     attention wants it. ``plan_budget``: bytes the prepared batches may hold on ``device``; a plan
     estimated within it is computed now and kept (``Layout.plan_bytes``), otherwise each batch is
     built when it is read. ``scored_from``: per sequence (an index as ``chosen``'s), the first input read
-    for the token after it (lm-evaluation-harness requests: the continuation's first); without it, every input.
+    for the token after it (lm-evaluation-harness requests: the continuation's first), and the slot of that token's
+    cell is counted from it (``cells``); without it, every input.
     """
     sequences = TokenSequences.of(sequences)
+    known = sequences.shared_prefixes if chosen is None and not answer_ids else None
     chosen = np.arange(len(sequences)) if chosen is None else np.asarray(list(chosen), dtype=np.int64)
     inputs = sequences.lengths()[chosen] - (0 if answer_ids else 1)
     row_length = max(row_length, int(inputs.max(initial=0)))
     if kind == "tree":
-        rows = tree_order(_input_matrix(sequences, chosen, inputs), inputs, row_length)
+        known = None if known is None else shared_prefix_order(sequences.ids, sequences.offsets[:-1], inputs, *known)
+        if known is not None:
+            rows = trees_in_rows(*known, inputs, row_length)
+        else:
+            rows = tree_order(_input_matrix(sequences, chosen, inputs), inputs, row_length)
     elif kind == "packed":
         rows = packed_order(inputs, row_length)
     elif kind == "padded":
@@ -306,7 +316,7 @@ def batch_arrays(
         arrays["used"] = used.astype(np.int32)
     index = np.arange(m)
     if answer_ids:  # a prompt's last input is read, once per answer
-        last, contexts = np.unique(nodes_at(index, n - 1, base, c, node_depth), return_inverse=True)
+        last, contexts = np.unique(nodes_at(index, n - 1, base, c), return_inverse=True)
         arrays["score_positions"] = flat[last].astype(np.int32)
         arrays["score_contexts"] = np.repeat(contexts.astype(np.int32), len(answer_ids))
         arrays["score_targets"] = np.tile(np.asarray(answer_ids, dtype=np.int32), m)
@@ -318,13 +328,13 @@ def batch_arrays(
         scored_seq = np.repeat(index, count)
         scored_depth = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - skipped, count)
         read = np.zeros(len(node_seq), dtype=bool)  # the nodes some scored token is read at, in node order
-        contexts = nodes_at(scored_seq, scored_depth, base, c, node_depth)
+        contexts = nodes_at(scored_seq, scored_depth, base, c)
         read[contexts] = True
         arrays["score_positions"] = flat[read].astype(np.int32)
         arrays["score_contexts"] = (np.cumsum(read) - 1)[contexts].astype(np.int32)
         arrays["score_targets"] = sequences.ids[first_token[scored_seq] + scored_depth + 1]
         arrays["score_sentences"] = seqs[scored_seq].astype(np.int32)
-        arrays["score_slots"] = scored_depth.astype(small)
+        arrays["score_slots"] = (scored_depth - skipped[scored_seq]).astype(small)  # a span's from its first scored
     return arrays
 
 
@@ -355,8 +365,4 @@ def _batch(arrays: dict[str, torch.Tensor], rows: int, width: int, kind: str, tr
 
 def _input_matrix(sequences: TokenSequences, chosen: np.ndarray, inputs: np.ndarray) -> np.ndarray:
     """The first ``inputs[i]`` tokens of each chosen sequence, one a row, padded with -1: [chosen x longest input]."""
-    # The flat index of every input token, row after row: each row's start, plus 0, 1, ... within the row.
-    flat = np.arange(inputs.sum()) + np.repeat(sequences.offsets[chosen] - np.cumsum(inputs) + inputs, inputs)
-    matrix = np.full((len(chosen), int(inputs.max(initial=0))), -1, dtype=np.int32)
-    matrix[np.arange(matrix.shape[1]) < inputs[:, None]] = sequences.ids[flat]
-    return matrix
+    return padded_matrix(sequences.ids, sequences.offsets[chosen], inputs)

@@ -56,14 +56,27 @@ def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOr
     it, so a row's tree grows by the tokens after that common prefix, and a row ends where its tree
     would outgrow ``row_length`` positions.
     """
-    check_fits(inputs, row_length)
+    return trees_in_rows(*prefix_order(matrix, inputs), inputs, row_length)
+
+
+def prefix_order(matrix: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``matrix`` (each one's first ``inputs[i]`` entries) in the order lists sort, and how many leading
+    entries each shares with the one before it in that order (0 for the first)."""
     order = sorted_order(matrix, inputs)
-    common = np.zeros(len(order), dtype=np.int64)  # tokens each shares with the one before it
+    common = np.zeros(len(order), dtype=np.int64)
     for start in range(1, len(order), COMPARED_AT_ONCE):  # in slices: no sorted copy of the whole matrix
         current = matrix[order[start : start + COMPARED_AT_ONCE]]
         previous = matrix[order[start - 1 : start - 1 + len(current)]]
-        same = (current == previous) & (current >= 0)
-        common[start : start + len(current)] = np.logical_and.accumulate(same, axis=1).sum(axis=1)
+        differ = (current != previous) | (current < 0)  # the first such column ends the common prefix
+        common[start : start + len(current)] = np.where(differ.any(axis=1), differ.argmax(axis=1), differ.shape[1])
+    return order, common
+
+
+def trees_in_rows(order: np.ndarray, common: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOrder:
+    """The sequences in ``order`` (each sharing ``common[i]`` leading inputs with the one before it) laid out in rows
+    of prefix trees of at most ``row_length`` positions (``tree_order``)."""
+    check_fits(inputs, row_length)
+    common = common.copy()
     inputs = inputs[order].astype(np.int64)
     # A row starting at sequence s holds s's inputs and then each next one's new inputs: with the
     # running sum of new inputs, its end is found by one search a row (a loop over rows, not sequences).
@@ -77,6 +90,45 @@ def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOr
     row_starts = np.array(starts, dtype=np.int64)
     common[row_starts[:-1]] = 0
     return RowOrder(order, inputs, common, row_starts)
+
+
+def shared_prefix_order(
+    ids: np.ndarray, offsets: np.ndarray, inputs: np.ndarray, holder: np.ndarray, prefix: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``prefix_order`` of sequences of which many start with the same prefix (a question's context, before each of
+    its choices), without comparing those prefixes again for each sequence.
+
+    Sequence ``k`` (``ids[offsets[k]:]``, ``inputs[k]`` inputs) starts with the first ``prefix[k]`` (at most
+    ``inputs[k]``) tokens of sequence ``holder[k]``, which has a prefix as long. The distinct prefixes are sorted and
+    compared once; the sequences are then sorted by their prefix's place and the rest of their inputs. That is the
+    order lists sort in unless a distinct prefix is a proper prefix of another: then None (sort the whole sequences).
+    """
+    holders, group = np.unique(holder, return_inverse=True)
+    lengths = prefix[holders]
+    by_content, shared = prefix_order(padded_matrix(ids, offsets[holders], lengths), lengths)
+    sorted_lengths = lengths[by_content]
+    before = np.concatenate([[-1], sorted_lengths[:-1]])
+    equal = (shared == sorted_lengths) & (shared == before)
+    if ((shared == before) & ~equal).any():
+        return None
+    rank = np.empty(len(holders), dtype=np.int64)
+    rank[by_content] = np.cumsum(~equal) - 1  # equal prefixes (other lists, the same tokens) share a rank
+    first_shared = shared[~equal]  # each rank's first prefix's leading tokens in common with the rank before
+    ranks = rank[group]
+    rest = inputs - prefix
+    keyed = np.concatenate([ranks[:, None].astype(np.int32), padded_matrix(ids, offsets + prefix, rest)], axis=1)
+    order, common = prefix_order(keyed, rest + 1)
+    # The same rank: the prefix and the rest's shared tokens; another: what the two distinct prefixes share.
+    common = np.where(common > 0, prefix[order] + common - 1, first_shared[ranks[order]])
+    return order, common
+
+
+def padded_matrix(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``ids[starts[i] : starts[i] + lengths[i]]`` one a row, padded with -1: [len(starts) x longest] int32."""
+    flat = np.arange(lengths.sum()) + np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+    matrix = np.full((len(starts), int(lengths.max(initial=0))), -1, dtype=np.int32)
+    matrix[np.arange(matrix.shape[1]) < lengths[:, None]] = ids[flat]
+    return matrix
 
 
 def sorted_order(matrix: np.ndarray, inputs: np.ndarray) -> np.ndarray:

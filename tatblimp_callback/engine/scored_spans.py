@@ -96,16 +96,15 @@ class SpanReader:
         self.first, self.count = first, len(scored)
         self.is_span = torch.zeros(sequences, dtype=torch.bool, device=cells.device)
         self.is_span[first : first + len(scored)] = True
-        widths = cells.widths[first : first + len(scored)]
-        scored = torch.tensor(list(scored), dtype=torch.long, device=cells.device)
-        # Each sequence's first scored slot (0 for a sentence, the continuation's first for a span), on the host: the
-        # layouts of the passes that read the spans hold no (context, target) pair before it (``packing.build_layout``).
+        # Each sequence's first scored input (0 for a sentence, the one before the continuation's first token for a
+        # span), on the host: the layouts of the passes that read the spans hold no (context, target) pair before it
+        # (``packing.build_layout``), and a span's cells are its continuation's (``cells``).
         self.scored_from = np.zeros(sequences, dtype=np.int64)
-        self.scored_from[first : first + len(scored)] = (widths - scored).cpu().numpy()
-        # Every span's continuation cells, and the span of each: what ``greedy`` reads (not every cell of the cache).
+        self.scored_from[first : first + len(scored)] = np.asarray(cells.lengths[first:]) - 1 - np.asarray(scored)
+        # The spans' cells, and the span of each: what ``greedy`` reads (not every cell of the cache).
+        self._continuation_cells = torch.arange(int(cells.starts[first]), cells.total, device=cells.device)
+        scored = torch.tensor(list(scored), dtype=torch.long, device=cells.device)
         self._owner = torch.repeat_interleave(torch.arange(len(scored), device=cells.device), scored)
-        within = torch.arange(len(self._owner), device=cells.device) - (scored.cumsum(0) - scored)[self._owner]
-        self._continuation_cells = (cells.starts[first : first + len(scored)] + widths - scored)[self._owner] + within
         self.cells = cells
         self.misses = cells.empty()  # 1 in each cell whose token is not its position's argmax (this pass)
         self._tokens_read = torch.zeros((), dtype=torch.long, device=cells.device)  # counted on the device: no sync

@@ -19,6 +19,7 @@ On a GPU the plan's forward calls are replayed as CUDA graphs (``cuda_graphs``).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -42,6 +43,7 @@ from .method_check import MethodCheck
 from .model_checks import (
     ScoringError,
     check_causal_lm,
+    check_vocabulary,
     check_weights_and_vocabulary,
     fit_to_context,
     forward_reads_position_ids,
@@ -90,6 +92,10 @@ class Scorer:
         cuda_graphs: replay the plan's forward calls as CUDA graphs on a GPU (``cuda_graphs``); False: never.
         compile: ``torch.compile`` the scoring forward for the plan's shapes (``compiled_forward``): a slow start.
         precision: "auto" (the training's autocast dtype, else the weights'), "float32", "bfloat16" or "float16" (``precision``).
+        sequences: the cache's token ids on the host where the caller has them (``packing.TokenSequences``, with the
+            prefixes its sequences share: the harness model's requests); None: read from the cache.
+        release_memory: on a CPU, hand the memory each ``score()`` freed back to the system (``release_freed_memory``);
+            False where calls follow each other and reuse it (the harness model in ``lm_eval``).
 
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the tokenizer's
@@ -119,8 +125,11 @@ class Scorer:
         cuda_graphs: bool = True,
         compile: bool = False,
         precision: str | torch.dtype | None = "auto",
+        sequences: TokenSequences | None = None,
+        release_memory: bool = True,
     ):
         self.model = model
+        self.release_memory = release_memory
         self.lm = unwrap_model(model)
         # A sharded model (FSDP, ZeRO-3) must run its own forward, on every process alike; any
         # other runs unwrapped, since a DDP wrapper's forward may broadcast buffers (a collective).
@@ -133,15 +142,15 @@ class Scorer:
         check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
         self.precision = scoring_precision(model, self.lm, precision, cache.device)
         self._built_dtype = weights_dtype(self.lm)
-        self.cache = fit_to_context(self.lm, cache, truncate)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
-        self.row_length = max(min(row_length, self.context or row_length), max(self.cache.lengths))
-        full_logits = sum(self.cache.lengths) * self._vocab_size() * 4
-        self.memory_budget = memory_budget or default_memory_budget(self.cache.device, full_logits)
-        self.call_budget = None if memory_budget else one_call_budget(self.memory_budget, self.cache, self.lm, self.row_length)
+        self.keep_token_logprobs = keep_token_logprobs
+        self._given = {"memory_budget": memory_budget, "row_length": row_length, "truncate": truncate}
+        self._graph_options = {"cuda_graphs": cuda_graphs, "compile": compile, "head_method": head_method}
+        self._bind(cache, sequences)
         if isinstance(method, str):
             method = ScoringMethod(method, "tiled" if self._head_weight() is not None else "full_logits")
-        sample = sample_sequences(self.cache.lengths, SAMPLE_PAIRS)
+        # Pairs of sentences only: spans (harness requests, last) are no pairs, and their cells are their continuations'.
+        sample = sample_sequences(self.cache.lengths[: self.cache.num_sentences - len(self.cache.span_tokens)], SAMPLE_PAIRS)
         self.check = MethodCheck(
             self.lm,
             method,
@@ -154,18 +163,30 @@ class Scorer:
             rtol=lambda: relative_tolerance(self._dtype(), self.cache.device),
             truth=float32_truth(self.lm, self._forward, self.cache, self.precision, self.sharded),
         )
+
+    def _bind(self, cache: SentenceCache, sequences: TokenSequences | None) -> None:
+        """What this scorer keeps of ``cache``: the budgets, the cells, the plans and the head's choice, made anew."""
+        given = self._given
+        self.cache = fit_to_context(self.lm, cache, given["truncate"])
+        self.row_length = max(min(given["row_length"], self.context or given["row_length"]), max(self.cache.lengths))
+        full_logits = sum(self.cache.lengths) * self._vocab_size() * 4
+        self.memory_budget = given["memory_budget"] or default_memory_budget(self.cache.device, full_logits)
+        self.call_budget = (
+            None if given["memory_budget"] else one_call_budget(self.memory_budget, self.cache, self.lm, self.row_length)
+        )
         self._layouts: dict[tuple, Layout] = {}
-        self._sequences: TokenSequences | None = None  # the cache's token ids on the host
+        # The cache's token ids on the host (made from the cache when first needed; not the caller's if it was cut).
+        self._sequences = sequences if self.cache is cache else None
         self.oom_retries = 0
-        self.keep_token_logprobs = keep_token_logprobs
+        head_method = self._graph_options["head_method"]
         self.head = HeadChoice(forced=None if head_method is None else HeadMethod.parse(head_method))
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
         self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
-        upcast = self.precision.itemsize > weights_dtype(self.lm).itemsize
-        self.graphs = CudaGraphs(self.lm, cuda_graphs, self.sharded, self.tensor_parallel, upcast)
-        self.compiled = CompiledForward(compile, self.sharded)
+        upcast = self.precision.itemsize > self._built_dtype.itemsize
+        self.graphs = CudaGraphs(self.lm, self._graph_options["cuda_graphs"], self.sharded, self.tensor_parallel, upcast)
+        self.compiled = CompiledForward(self._graph_options["compile"], self.sharded)
         self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
@@ -173,6 +194,23 @@ class Scorer:
         # The cache's spans (``cache.span_tokens``: lm-evaluation-harness's requests), scored on their last tokens only.
         spans = self.cache.span_tokens
         self.spans = SpanReader(self.cells, self.cache.num_sentences - len(spans), spans) if spans else None
+
+    def for_cache(self, cache: SentenceCache, sequences: TokenSequences | None = None) -> Scorer:
+        """A scorer of ``cache`` with this one's model, options and method check (its sample stays this scorer's),
+        on the same device, without computing the model's facts again (its wrapping, precision, weights' dtype and the
+        float32 truth walk every module: a few ms a call on a 24-layer model). The harness model makes one per call.
+
+        Raises:
+            ScoringError: a token id of ``cache`` that the model cannot embed, or a sequence longer than its context.
+            ValueError: ``cache`` on another device than this scorer's.
+        """
+        if cache.device != self.cache.device:
+            raise ValueError(f"for_cache: the cache is on {cache.device}, this scorer's on {self.cache.device}")
+        embedding = self.lm.get_input_embeddings()
+        check_vocabulary(cache, getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0])
+        other = copy.copy(self)
+        other._bind(cache, sequences)
+        return other
 
     @property
     def method(self) -> ScoringMethod | None:
@@ -209,7 +247,7 @@ class Scorer:
         (``memory_budget.MIN_MEMORY_BUDGET``), then re-raised; later evaluations keep the smaller budget. Sequences that
         come out NaN or inf are scored again on rows of their own, so that one diverged sequence does not spread to the
         others of its row. On a CPU the memory the evaluation freed is handed back to the system at its end
-        (``memory_budget.release_freed_memory``).
+        (``memory_budget.release_freed_memory``), unless the scorer was made with ``release_memory=False``.
 
         Returns:
             Float64 log-probs on the CPU: ``[sentences]``, or ``[prompts, answers]`` for forced-choice prompts.
@@ -226,7 +264,8 @@ class Scorer:
                     lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
                 )
         finally:
-            release_freed_memory(self.cache.device)
+            if self.release_memory:
+                release_freed_memory(self.cache.device)
 
     def _set_budget(self, budget: int, retrying: bool) -> None:
         if budget != self.memory_budget:

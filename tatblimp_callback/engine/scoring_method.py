@@ -148,7 +148,9 @@ class RecheckSchedule:
 
 def sample_sequences(lengths: list[int], pairs: int) -> list[int]:
     """A few pairs spread over the length range, long ones included: both sequences of each, so
-    that prefix-tree rows share (and branch off) a prefix as they do in a full evaluation."""
+    that prefix-tree rows share (and branch off) a prefix as they do in a full evaluation. None of none."""
+    if not lengths:
+        return []
     by_length = sorted(range(len(lengths)), key=lambda s: lengths[s])
     picks = {by_length[round(i * (len(by_length) - 1) / (pairs - 1))] for i in range(pairs)}
     return sorted(picks | {s ^ 1 for s in picks if s ^ 1 < len(lengths)})

@@ -12,6 +12,7 @@ import torch
 
 from . import distributed
 from .scoring_method import ScoringMethod
+from .tree_mask import reused_buffer
 
 
 def score_cells(
@@ -30,11 +31,12 @@ def score_cells(
     layout = scorer._layout(method, sequences, keep_layout, spans)
     split = (sequences is None if split is None else split) and not scorer.tensor_parallel
     graphs = keep_layout and scorer.graphs.batches(layout, (method, scorer.head_method), scorer.head.choosing, spans)
-    for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=scorer.sharded):
-        logprobs = scorer.graphs.logprobs(batch, scorer, method.head, None if is_filler else spans)
-        if not is_filler:
-            scorer.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
-        del batch, logprobs  # before the next batch is built: one batch's tensors at a time
+    with reused_buffer():  # each batch's CPU tree mask written where the one before was
+        for batch, is_filler in distributed.shard(graphs or layout.batches, split=split, lockstep=scorer.sharded):
+            logprobs = scorer.graphs.logprobs(batch, scorer, method.head, None if is_filler else spans)
+            if not is_filler:
+                scorer.cells.write(cells, batch.score_sentences, batch.score_slots, logprobs)
+            del batch, logprobs  # before the next batch is built: one batch's tensors at a time
     cells = distributed.sum_over_processes(cells) if split else cells
     if spans is not None and split:
         spans.misses = distributed.sum_over_processes(spans.misses)

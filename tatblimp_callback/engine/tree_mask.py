@@ -8,30 +8,65 @@ key gets the width, which no subtree reaches), it is one comparison an element, 
 depth and nothing quadratic kept between forward calls. Padding is a subtree of one: it sees itself
 only. The same test is a FlexAttention ``mask_mod`` (``flex_mask_mod``), for a block-sparse mask
 that skips the blocks no position attends to.
+
+On the CPU, within a pass over a layout's batches (``reused_buffer``), each boolean mask is written into the memory
+of the one before once that one is gone: a batch's mask is tens of MB, which the allocator would otherwise hand back
+to the system after each batch and fault in again for the next (about half of the masks' time on the CPU).
 """
 
 from __future__ import annotations
+
+import math
+import weakref
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}  # (width, dtype, device) -> [width, width] q - k, or width where q < k
+_PASSES: list[dict] = []  # one per pass in progress (``reused_buffer``): its buffer, and a weak reference to its mask
+
+
+@contextmanager
+def reused_buffer():
+    """Within the block, the CPU's boolean masks share one buffer, each written once the one before is gone; the
+    buffer is freed on leaving."""
+    _PASSES.append({"buffer": None, "mask": lambda: None})
+    try:
+        yield
+    finally:
+        _PASSES.pop()
 
 
 def interval_mask(sizes: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """[rows, 1, width, width]: query q sees key k where ``0 <= q - k < sizes[row, k]``; boolean (True:
     attend), or additive in the floating ``dtype`` (0, or its most negative value), as eager attention wants."""
     offsets = _offsets(sizes.shape[-1], sizes.dtype, sizes.device).unsqueeze(0)
-    if (
-        sizes.device.type == "cpu" and not torch.compiler.is_compiling()
-    ):  # numpy's comparison: a third of torch's time on the CPU (same values)
-        seen = torch.from_numpy(np.less(offsets.numpy(), sizes.unsqueeze(1).numpy()))
+    out = None
+    if sizes.device.type == "cpu" and not torch.compiler.is_compiling():
+        # numpy's comparison: a third of torch's time on the CPU (same values), into the pass's buffer where it can
+        if dtype == torch.bool:
+            out = _buffer((sizes.shape[0], sizes.shape[1], sizes.shape[1]))
+        seen = torch.from_numpy(np.less(offsets.numpy(), sizes.unsqueeze(1).numpy(), out=out))
     else:
         seen = offsets < sizes.unsqueeze(1)
     if dtype == torch.bool:
-        return seen.unsqueeze(1)
+        mask = seen.unsqueeze(1)
+        if out is not None:  # in the pass's buffer: the next mask waits until this one is gone
+            _PASSES[-1]["mask"] = weakref.ref(mask)
+        return mask
     mask = torch.zeros(seen.shape, dtype=dtype, device=sizes.device)
     return mask.masked_fill_(~seen, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def _buffer(shape: tuple[int, int, int]) -> np.ndarray | None:
+    """The pass's buffer as a boolean array of ``shape``, if a pass is in progress and its last mask is gone."""
+    if not _PASSES or _PASSES[-1]["mask"]() is not None:
+        return None  # no pass, or its last mask is still held: a buffer of its own
+    current = _PASSES[-1]
+    if current["buffer"] is None or current["buffer"].size < math.prod(shape):
+        current["buffer"] = np.empty(math.prod(shape), dtype=bool)
+    return current["buffer"][: math.prod(shape)].reshape(shape)
 
 
 def flex_mask_mod(sizes: torch.Tensor):

@@ -23,25 +23,35 @@ def new_nodes(n: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return base, node_sequence, node_depth
 
 
-def nodes_at(sequence: np.ndarray, depth: np.ndarray, base: np.ndarray, c: np.ndarray, node_depth: np.ndarray) -> np.ndarray:
+def nodes_at(sequence: np.ndarray, depth: np.ndarray, base: np.ndarray, c: np.ndarray) -> np.ndarray:
     """The node of input ``depth[k]`` of sequence ``sequence[k]`` (each ``depth[k]`` below that sequence's ``n``).
 
-    An input the sequence adds is its own new node. A shared one (below its ``c``) is the node the sequences before it
-    reached that depth at, which in depth-first order is the last node at that depth before the sequence's first new
-    node: a node's descendants follow it, so a later node at that depth closes its subtree. Those are found by one
-    sort of the nodes by (depth, number) and one search.
+    An input the sequence adds is its own new node. A shared one (below its ``c``) is the new node of the last
+    sequence before it that added that depth (``c <= depth``): every sequence in between shares the depth with the one
+    before it. That sequence is found by binary lifting over running minima of ``c``: work per shared input and
+    doubling, not per node (the first sequence of every row has ``c = 0``, so there is always one).
     """
     nodes = base[sequence] + depth - c[sequence]
     shared = np.flatnonzero(depth < c[sequence])
     if len(shared):
-        count = len(node_depth)
-        # By depth, then by number; depths as 16-bit integers where they fit, which numpy sorts by radix (6x faster).
-        small = node_depth.astype(np.uint16) if node_depth.max() < 1 << 16 else node_depth
-        by_depth = np.argsort(small, kind="stable")
-        keys = node_depth[by_depth].astype(np.int64) * count + by_depth
-        wanted = depth[shared].astype(np.int64) * count + base[sequence[shared]] - 1
-        nodes[shared] = by_depth[np.searchsorted(keys, wanted, side="right") - 1]
+        owner = _last_adding(c, sequence[shared], depth[shared])
+        nodes[shared] = base[owner] + depth[shared] - c[owner]
     return nodes
+
+
+def _last_adding(c: np.ndarray, sequence: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """For each ``(sequence[k], depth[k])`` the last sequence at or before it with ``c <= depth[k]``."""
+    minima = [c]  # minima[k][i]: the smallest c of sequences i - 2**k + 1 .. i (of 0 .. i near the start)
+    while 1 << len(minima) <= len(c):
+        step, below = 1 << (len(minima) - 1), minima[-1]
+        minima.append(np.concatenate([below[:step], np.minimum(below[step:], below[:-step])]))
+    at = sequence.copy()
+    for k in range(len(minima) - 1, -1, -1):  # jump over 2**k sequences that all share more than the depth
+        step = 1 << k
+        jump = at >= step
+        jump[jump] = minima[k][at[jump]] > depth[jump]
+        at[jump] -= step
+    return at
 
 
 def subtree_ends(n: np.ndarray, c: np.ndarray, base: np.ndarray) -> np.ndarray:

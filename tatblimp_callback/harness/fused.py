@@ -16,12 +16,14 @@ import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..engine import distributed
 from ..engine.model_checks import input_device
+from ..engine.packing import TokenSequences
 from ..engine.scored_spans import flat_sequence_cache
 from ..engine.scoring import Scorer
 from ..tokenized.cache import SentenceCache
@@ -52,9 +54,21 @@ def _check_request(k: int, context: int, continuation: int, max_length: int) -> 
         raise ValueError(f"harness request {k}: a continuation of {continuation} tokens, over max_length {max_length}")
 
 
-def request_tokens(requests: Sequence[Request], max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class RequestTokens(NamedTuple):
+    """A call's requests as arrays (``request_tokens``)."""
+
+    tokens: np.ndarray  # every sequence's token ids, one sequence after another
+    lengths: np.ndarray  # each sequence's length
+    continuation_lengths: np.ndarray
+    # (holder, context length) of each request, the holder being the first request that holds the same context list
+    # (the harness hands a question's choices one list); None where a sequence was cut from the left.
+    shared_prefixes: tuple[np.ndarray, np.ndarray] | None
+
+
+def request_tokens(requests: Sequence[Request], max_length: int) -> RequestTokens:
     """``request_sequences`` as arrays: every sequence's token ids one after another, each one's length, and each
-    one's continuation length, with no Python step per request (the tokens read in one pass in C).
+    one's continuation length, with no Python step per request (the tokens read in one pass in C); and which
+    requests share a context list (``RequestTokens.shared_prefixes``).
 
     Raises:
         ValueError: as ``request_sequences``, naming the first such request.
@@ -68,15 +82,19 @@ def request_tokens(requests: Sequence[Request], max_length: int) -> tuple[np.nda
         k = int(bad[0])
         _check_request(k, context_lengths[k], continuation_lengths[k], max_length)
     lengths = context_lengths + continuation_lengths
-    tokens = _joined_tokens(contexts, continuations, context_lengths, continuation_lengths)
+    tokens, holder = _joined_tokens(contexts, continuations, context_lengths, continuation_lengths)
     cut = lengths - np.minimum(lengths, max_length + 1)  # tokens cut from the left, as HFLM cuts them
     if cut.any():
         tokens, lengths = tokens[~_leading(cut, lengths)], lengths - cut
-    return tokens, lengths, continuation_lengths
+        return RequestTokens(tokens, lengths, continuation_lengths, None)
+    return RequestTokens(tokens, lengths, continuation_lengths, (holder, context_lengths))
 
 
-def _joined_tokens(contexts, continuations, context_lengths: np.ndarray, continuation_lengths: np.ndarray) -> np.ndarray:
-    """Each request's context and continuation token ids, one request after another, read in C.
+def _joined_tokens(
+    contexts, continuations, context_lengths: np.ndarray, continuation_lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's context and continuation token ids, one request after another, read in C; and for each request
+    the first one that holds its context list.
 
     A context list that several requests hold (the harness model hands out one list per distinct string: a question's
     choices share their context's) is read once and copied by numpy, not read again from Python's ints for each.
@@ -87,20 +105,25 @@ def _joined_tokens(contexts, continuations, context_lengths: np.ndarray, continu
     if len(first_holder) == count:  # no list held twice: the whole requests in one pass
         pairs = itertools.chain.from_iterable(zip(contexts, continuations))
         total = int(context_lengths.sum() + continuation_lengths.sum())
-        return np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=total)
+        return np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int32, count=total), holder
     firsts = np.fromiter(first_holder.values(), dtype=np.int64, count=len(first_holder))
     read = np.zeros(count, dtype=np.int64)  # where each request's context starts among the distinct ones read
     read[firsts] = np.cumsum(context_lengths[firsts]) - context_lengths[firsts]
     distinct = itertools.chain.from_iterable(map(contexts.__getitem__, firsts.tolist()))
     parts = [
-        np.fromiter(distinct, dtype=np.int64, count=int(context_lengths[firsts].sum())),
-        np.fromiter(itertools.chain.from_iterable(continuations), dtype=np.int64, count=int(continuation_lengths.sum())),
+        np.fromiter(distinct, dtype=np.int32, count=int(context_lengths[firsts].sum())),
+        np.fromiter(itertools.chain.from_iterable(continuations), dtype=np.int32, count=int(continuation_lengths.sum())),
     ]
-    # Request k's tokens are two runs, its context's among the distinct ones read, then its continuation's after them.
+    # Request k's tokens are two runs, its context's among the distinct ones read, then its continuation's after them:
+    # the index of each token to copy steps by one within a run and jumps at a run's start (a running sum of steps).
     runs = np.stack([context_lengths, continuation_lengths], axis=1).ravel()
     run_sources = np.stack([read[holder], len(parts[0]) + np.cumsum(continuation_lengths) - continuation_lengths], axis=1)
-    shift = np.repeat(run_sources.ravel() - (np.cumsum(runs) - runs), runs)
-    return np.concatenate(parts)[np.arange(len(shift)) + shift]
+    run_sources = run_sources.ravel()
+    steps = np.ones(int(runs.sum()), dtype=np.int32)
+    run_starts = np.cumsum(runs) - runs
+    steps[run_starts[1:]] = run_sources[1:] - (run_sources[:-1] + runs[:-1] - 1)
+    steps[0] = run_sources[0]
+    return np.concatenate(parts)[np.cumsum(steps, dtype=np.int32)], holder
 
 
 def _leading(counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -119,6 +142,7 @@ class RequestScorer:
         each_process_its_own: under ``torch.distributed``, each process holds requests of its own (the harness's
             data-parallel ``HFLM`` deals them out by rank) and scores them alone; otherwise (the in-loop tasks)
             every process holds them all, and each scores a share of the batches.
+        release_memory: on a CPU, hand the memory a call freed back to the system after it (``Scorer``'s).
 
     The scoring method (tree, packed or padded rows; the head) is chosen at the first call, as the engine chooses
     it for TatBLiMP, and checked again at a later call once the weights have moved (a training model's). The
@@ -132,11 +156,13 @@ class RequestScorer:
         memory_budget: int | None = None,
         row_length: int = 256,
         each_process_its_own: bool = False,
+        release_memory: bool = True,
     ):
         self.model = model
-        self._options = {"memory_budget": memory_budget, "row_length": row_length}
+        self._options = {"memory_budget": memory_budget, "row_length": row_length, "release_memory": release_memory}
         self.each_process_its_own = each_process_its_own
         self._checker: Scorer | None = None  # its method check serves every call (the first call's requests, cut)
+        self._template: Scorer | None = None  # the model's facts, with the checker's method check (``_scorer_for``)
         self._scorer: Scorer | None = None  # the latest call's, with its plan
         self._sequences: tuple | None = None  # the latest call's (tokens, lengths, continuation lengths, pad id)
 
@@ -149,27 +175,33 @@ class RequestScorer:
         """``(sum of the continuation's token log-probs, every continuation token greedy)`` of each request."""
         if not requests:
             return []
-        tokens, lengths, continuation_lengths = request_tokens(requests, max_length)
+        read = request_tokens(requests, max_length)
         alone = distributed.this_process_only() if self.each_process_its_own else contextlib.nullcontext()
         with alone:  # no collectives over requests that differ from process to process
-            scorer = self._scorer_for(tokens, lengths, continuation_lengths, pad_id)
+            scorer = self._scorer_for(read, pad_id)
             logprobs = scorer.score()
             return list(zip(logprobs.tolist(), scorer.spans.greedy(), strict=True))
 
-    def _scorer_for(self, tokens: np.ndarray, lengths: np.ndarray, continuation_lengths: np.ndarray, pad_id: int) -> Scorer:
+    def _scorer_for(self, read: RequestTokens, pad_id: int) -> Scorer:
         """The scorer of these requests: the latest call's if they are the same, else one made for them (the cache
         on the device the model takes its input on, which a device map may set apart from its first weight's)."""
+        tokens, lengths, continuation_lengths, shared_prefixes = read
         key = (tokens, lengths, continuation_lengths, pad_id)
         if self._scorer is not None and _same_requests(self._sequences, key) and self._scorer.serves(self.model):
             return self._scorer
         device = input_device(self.model)
-        if self._checker is None or not self._checker.serves(self.model):
-            self._checker = Scorer(self.model, self._check_cache(tokens, lengths, pad_id, device), **self._options)
+        if self._checker is None or not self._checker.serves(self.model) or self._checker.cache.device != device:
+            check_cache = self._check_cache(tokens, lengths, pad_id, device)
+            self._checker = Scorer(self.model, check_cache, **self._options)
+            # Each call's scorer is this one bound to the call's requests (``Scorer.for_cache``): the model's facts
+            # are found once. The spans go through greedy_head, never through the timed head methods: nothing to time.
+            self._template = Scorer(self.model, check_cache, head_method="tiles", **self._options)
+            self._template.check = self._checker.check  # one method check for the harness model's life
         cache = flat_sequence_cache(tokens, lengths, pad_id, device, "lm-eval")
         cache = replace(cache, span_tokens=tuple(continuation_lengths.tolist()))
-        # The spans go through greedy_head, never through the timed head methods: nothing to time.
-        scorer = Scorer(self.model, cache, head_method="tiles", **self._options)
-        scorer.check = self._checker.check  # one method check for the harness model's life, on its short sample
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        host = TokenSequences(tokens, offsets, shared_prefixes)  # tree rows sort the distinct contexts only
+        scorer = self._template.for_cache(cache, host)
         self._scorer, self._sequences = scorer, key
         return scorer
 

@@ -84,7 +84,9 @@ class HarnessTasks:
                 # or adds one: on a copy, so that the training tokenizer stays as the user made it.
                 tokenizer = copy.deepcopy(self.tokenizer)
                 with scoring_mode(model):
-                    self._lm = TatBLiMPLM(pretrained=model, tokenizer=tokenizer, memory_budget=self.memory_budget)
+                    self._lm = TatBLiMPLM(
+                        pretrained=model, tokenizer=tokenizer, memory_budget=self.memory_budget, release_memory=True
+                    )
             finally:
                 quiet.setLevel(level)
         return self._lm
