@@ -211,18 +211,20 @@ def forward_reads_position_ids(
 def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
     """Up to ``FINGERPRINT_VALUES`` evenly spaced values of every floating-point weight tensor, float64 on the CPU.
 
-    Of a sharded weight (FSDP2, tensor parallel) this process's shard; processes combine their verdicts.
+    Of a sharded weight (FSDP2, tensor parallel) this process's shard; processes combine their verdicts. The values of
+    each device go to the CPU together (one copy, not one per weight: a device map leaves weights on several devices).
     """
-    parts = []
+    parts: dict[torch.device, list[torch.Tensor]] = {}
     for parameter in lm.parameters():
         if parameter.is_meta:  # offloaded to disk or CPU by a device map: read only while its layer runs
             continue
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         flat = local.detach().reshape(-1)
         if flat.numel() and flat.is_floating_point():
-            # To the CPU one by one: a device map leaves the weights on several devices.
-            parts.append(flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES].double().cpu())
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+            sampled = flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES]
+            parts.setdefault(flat.device, []).append(sampled.to(torch.float64))
+    values = [torch.cat(sampled).cpu() for sampled in parts.values()]
+    return torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
 
 
 def weights_label(lm: torch.nn.Module) -> str | None:

@@ -39,10 +39,12 @@ def scoring_mode(*models: torch.nn.Module) -> Iterator[None]:
     generators and the grad-enabled state are as they were."""
     modes = [(module, module.training) for model in models for module in model.modules()]
     with rng_preserved(), torch.no_grad():
-        for model in models:
-            model.eval()
+        if any(training for _, training in modes):  # a model already in eval mode everywhere is left as it is
+            for model in models:
+                model.eval()
         try:
             yield
         finally:
             for module, training in modes:
-                module.training = training  # not .train(): that would set its submodules too
+                if module.training != training:  # setting a module's attribute is slow: only those that changed
+                    module.training = training  # not .train(): that would set its submodules too

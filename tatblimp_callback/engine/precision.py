@@ -171,13 +171,16 @@ def check_runs(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device) ->
 
 
 @contextmanager
-def computing_in(lm: torch.nn.Module, dtype: torch.dtype, device: torch.device, head=None) -> Iterator[None]:
+def computing_in(
+    lm: torch.nn.Module, dtype: torch.dtype, device: torch.device, head=None, weights: torch.dtype | None = None
+) -> Iterator[None]:
     """What runs inside computes ``lm`` in ``dtype``: under autocast below the weights' dtype, with the weights
     upcast a module at a time for float32 above it, as the weights are otherwise (autocast of the caller off).
 
     ``head``: the LM head module, upcast whole for all of the context instead (its weight read directly by the
-    tiled head, ``tiled_head``, outside its own call), left without hooks so that it stays a plain linear layer."""
-    weights = compute_dtype(lm)
+    tiled head, ``tiled_head``, outside its own call), left without hooks so that it stays a plain linear layer.
+    ``weights``: ``compute_dtype(lm)`` where the caller knows it (it walks every module)."""
+    weights = weights or compute_dtype(lm)
     with ExitStack() as stack:
         if dtype == weights or (dtype == torch.float32 and weights == torch.float64):
             stack.enter_context(_no_autocast(device))

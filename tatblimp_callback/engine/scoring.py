@@ -53,7 +53,7 @@ from .model_checks import (
 )
 from .model_state import scoring_mode
 from .packing import Batch, Layout, TokenSequences, build_layout
-from .precision import computing_in, float32_truth, scoring_precision, weights_dtype
+from .precision import compute_dtype, computing_in, float32_truth, scoring_precision, weights_dtype
 from .scored_spans import SpanReader
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .scoring_pass import score_cells
@@ -142,6 +142,7 @@ class Scorer:
         check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
         self.precision = scoring_precision(model, self.lm, precision, cache.device)
         self._built_dtype = weights_dtype(self.lm)
+        self._compute_dtype = compute_dtype(self.lm)  # FSDP's mixed precision, else the weights': one module walk
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.keep_token_logprobs = keep_token_logprobs
         self._given = {"memory_budget": memory_budget, "row_length": row_length, "truncate": truncate}
@@ -258,7 +259,8 @@ class Scorer:
             PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
         try:
-            in_precision = computing_in(self.lm, self.precision, self.cache.device)  # autocast, or weights upcast
+            # Autocast, or the weights upcast; a new weights' dtype makes a new scorer (``serves``).
+            in_precision = computing_in(self.lm, self.precision, self.cache.device, weights=self._compute_dtype)
             with scoring_mode(self.model), in_precision, distributed.shared_failures():
                 return retry_out_of_memory(
                     lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
