@@ -1,11 +1,11 @@
 """Where each log-prob lands, and how the cells are reduced: the readout's last steps.
 
 Every scored token (sentences) or answer (prompts) has its own cell: a sequence's cells follow each
-other, in token (or answer) order, and the sequences' in cache order. A span (``scored_spans``: a harness request,
-scored on its continuation only) has a cell for each continuation token alone; its slots count from the first. A batch writes its log-probs
-into their cells once (``write``); a sentence's log-prob is then the sum of its cells, added from the
-left as Python's ``sum()`` adds a list (``reduce``), so it is exactly the sum of its token log-probs on
-any device, whatever the batching and the number of processes.
+other, in token (or answer) order, and the sequences' in cache order. A span (``scored_spans``: a harness
+request, scored on its continuation only) has a cell for each continuation token alone, its slots counted from
+the first. A batch writes its log-probs into their cells once (``write``); a sentence's log-prob is then the sum
+of its cells, added from the left as Python's ``sum()`` adds a list (``reduce``), so it is exactly the sum of its
+token log-probs on any device, whatever the batching and the number of processes.
 """
 
 from __future__ import annotations

@@ -64,13 +64,18 @@ class TokenSequences(Sequence):
     about ten times as much.
     """
 
-    def __init__(self, token_ids: torch.Tensor | np.ndarray, offsets: torch.Tensor | np.ndarray, shared_prefixes=None):
+    def __init__(
+        self,
+        token_ids: torch.Tensor | np.ndarray,
+        offsets: torch.Tensor | np.ndarray,
+        shared_prefixes: tuple[np.ndarray, np.ndarray] | None = None,
+    ):
         self.ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int32)
         self.offsets = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets).astype(np.int64)
         # (holder, prefix) where the maker knows them: sequence k starts with the first prefix[k] tokens of sequence
         # holder[k] (the harness's requests: a question's choices hold its context), so that tree rows sort the
         # distinct prefixes once (``rows.shared_prefix_order``).
-        self.shared_prefixes: tuple[np.ndarray, np.ndarray] | None = shared_prefixes
+        self.shared_prefixes = shared_prefixes
 
     @classmethod
     def of(cls, sequences: Sequence[list[int]]) -> TokenSequences:

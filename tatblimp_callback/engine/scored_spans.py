@@ -6,7 +6,8 @@ log-probs, and it is greedy when every continuation token is its position's argm
 sentences, so that one layout and one sweep of forward calls serve both, prefix-tree rows sharing positions across
 them. Within a batch (``SpanReader.batch_logprobs``) the model's body runs once; the sentences' tokens go through the
 scorer's own head, the spans' continuation tokens through ``greedy_head`` (log-prob and argmax from the same
-tiles; the harness model, ``harness/fused.py``, scores its requests as spans of a cache of their own), and a span's context tokens are never given to the head: their cells stay 0, so a span's log-prob is its
+tiles; the harness model, ``harness/fused.py``, scores its requests as spans of a cache of their own). A span's
+context tokens are never read: its cells are its continuation tokens' alone (``cells``), so a span's log-prob is its
 cells' sum as for a sentence. Each continuation token that is not the argmax puts 1 in its cell of ``misses``,
 which are added over processes like the log-probs (each cell written by one process).
 """
@@ -128,8 +129,8 @@ class SpanReader:
     def batch_logprobs(self, scorer, batch: Batch, output: torch.Tensor, head: str, read: Callable) -> torch.Tensor:
         """The batch's log-probs, one per scored (context, target) as the scorer writes them: the sentences' from
         ``read(output, part)`` (the scorer's head), the spans' continuations' from ``greedy_head`` (their misses
-        noted), 0 for a span's context tokens. ``output``: the forward call's hidden states (or logits) at the
-        batch's read positions."""
+        noted; a span's context tokens are not in the batch). ``output``: the forward call's hidden states (or logits)
+        at the batch's read positions."""
         mine = self.is_span[batch.score_sentences]  # the layout holds a span's continuation tokens only (``scored_from``)
         logprobs = torch.zeros(mine.shape, dtype=torch.float32, device=self.cells.device)
         plain = ~mine

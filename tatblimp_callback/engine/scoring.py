@@ -389,7 +389,7 @@ class Scorer:
 
     def _batch_logprobs(self, batch: Batch, head: str, spans=None) -> torch.Tensor:
         """log p(target | context) of every (context, target) the batch scores, in float32, on the cache's device
-        (with ``spans``: a span's context tokens 0, its continuation's through ``scored_spans``)."""
+        (with ``spans``: a span's continuation tokens through ``scored_spans``; its context's are not read)."""
         if spans is None:
             return self._read(batch, head)
         start = time.perf_counter()
