@@ -53,13 +53,13 @@ def test_each_calls_scorer_is_bound_to_one_made_for_the_model_and_scores_as_a_pl
     precision = scoring_module.scoring_precision
     monkeypatch.setattr(scoring_module, "scoring_precision", lambda *a, **k: found.append(1) or precision(*a, **k))
     first = scorer.score(questions(0, 6), 0, 64)
-    made = len(found)  # the method check's scorer and the model's template: the model's facts found there
+    made = len(found)  # the method check's scorer: the model's facts found there
     for seed in (1, 2, 3):  # other requests each call
         requests = questions(seed, 5 + seed)
         answers = scorer.score(requests, 0, 64)
         for (ours, greedy), (theirs, plain_greedy) in zip(answers, plain_scores(model, requests), strict=True):
             assert ours == pytest.approx(theirs, abs=1e-4) and greedy == plain_greedy
-    assert made == 2 and len(found) == made  # no call after the first walks the model for its precision again
+    assert made == 1 and len(found) == made  # no call after the first walks the model for its precision again
     assert scorer._scorer.check is scorer._checker.check  # one method check for every call
     assert first == RequestScorer(model, memory_budget=64 << 20).score(questions(0, 6), 0, 64)
 
@@ -71,11 +71,11 @@ def test_binding_another_cache_checks_its_tokens_and_device():
     tokens, lengths, _continuations, _ = request_tokens([([1, 2], [60])], 64)
     cache = flat_sequence_cache(tokens, lengths, 0, torch.device("cpu"), "lm-eval")
     with pytest.raises(ScoringError, match="token id 60, but the model's embedding has only 50 rows"):
-        scorer._template.for_cache(cache)
+        scorer._checker.for_cache(cache)
     with pytest.raises(ScoringError, match="token id 60"):
         scorer.score([([1, 2], [60])], 0, 64)
     with pytest.raises(ValueError, match="the cache is on meta, this scorer's on cpu"):
-        scorer._template.for_cache(flat_sequence_cache(tokens, lengths, 0, torch.device("meta"), "lm-eval"))
+        scorer._checker.for_cache(flat_sequence_cache(tokens, lengths, 0, torch.device("meta"), "lm-eval"))
 
 
 def test_a_requests_cells_are_its_continuations_tokens():

@@ -100,9 +100,14 @@ def check_weights_and_vocabulary(lm: torch.nn.Module, cache: SentenceCache) -> N
     """A clear error before any forward pass for meta-device weights or a tokenizer the model cannot embed."""
     if has_missing_weights(lm):
         raise ScoringError("the model has weights on the meta device; load or materialise them before scoring")
+    check_vocabulary(cache, embedding_rows(lm))
+
+
+def embedding_rows(lm: torch.nn.Module) -> int:
+    """The token ids ``lm`` can embed: its input embedding's rows (``num_embeddings``: a sharded weight's local shape
+    is a shard's, ZeRO-3's and FSDP1's)."""
     embedding = lm.get_input_embeddings()
-    # A sharded weight's local shape is a shard's (ZeRO-3, FSDP1); num_embeddings is the real count.
-    check_vocabulary(cache, getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0])
+    return getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
 
 
 def check_vocabulary(cache: SentenceCache, embeddings: int) -> None:

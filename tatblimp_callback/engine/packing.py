@@ -195,7 +195,7 @@ def tree_rows(sequences: Sequence[list[int]], row_length: int) -> list[list[int]
     """Indices into ``sequences`` per row, in sorted order, each row's prefix tree at most ``row_length`` nodes."""
     sequences = TokenSequences.of(sequences)
     lengths = sequences.lengths()
-    return tree_order(_input_matrix(sequences, np.arange(len(lengths)), lengths), lengths, row_length).rows()
+    return tree_order(padded_matrix(sequences.ids, sequences.offsets[:-1], lengths), lengths, row_length).rows()
 
 
 def build_layout(
@@ -235,7 +235,7 @@ def build_layout(
         if known is not None:
             rows = trees_in_rows(*known, inputs, row_length)
         else:
-            rows = tree_order(_input_matrix(sequences, chosen, inputs), inputs, row_length)
+            rows = tree_order(padded_matrix(sequences.ids, sequences.offsets[chosen], inputs), inputs, row_length)
     elif kind == "packed":
         rows = packed_order(inputs, row_length)
     elif kind == "padded":
@@ -366,8 +366,3 @@ def _batch(arrays: dict[str, torch.Tensor], rows: int, width: int, kind: str, tr
         score_sentences=arrays["score_sentences"].long(),
         score_slots=arrays["score_slots"].long(),
     )
-
-
-def _input_matrix(sequences: TokenSequences, chosen: np.ndarray, inputs: np.ndarray) -> np.ndarray:
-    """The first ``inputs[i]`` tokens of each chosen sequence, one a row, padded with -1: [chosen x longest input]."""
-    return padded_matrix(sequences.ids, sequences.offsets[chosen], inputs)

@@ -45,6 +45,7 @@ from .model_checks import (
     check_causal_lm,
     check_vocabulary,
     check_weights_and_vocabulary,
+    embedding_rows,
     fit_to_context,
     forward_reads_position_ids,
     input_device,
@@ -145,8 +146,14 @@ class Scorer:
         self._compute_dtype = compute_dtype(self.lm)  # FSDP's mixed precision, else the weights': one module walk
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.keep_token_logprobs = keep_token_logprobs
-        self._given = {"memory_budget": memory_budget, "row_length": row_length, "truncate": truncate}
-        self._graph_options = {"cuda_graphs": cuda_graphs, "compile": compile, "head_method": head_method}
+        self._options = {  # what ``_bind`` makes a cache's budgets, cells and plans with
+            "memory_budget": memory_budget,
+            "row_length": row_length,
+            "truncate": truncate,
+            "head_method": head_method,
+            "cuda_graphs": cuda_graphs,
+            "compile": compile,
+        }
         self._bind(cache, sequences)
         if isinstance(method, str):
             method = ScoringMethod(method, "tiled" if self._head_weight() is not None else "full_logits")
@@ -167,7 +174,7 @@ class Scorer:
 
     def _bind(self, cache: SentenceCache, sequences: TokenSequences | None) -> None:
         """What this scorer keeps of ``cache``: the budgets, the cells, the plans and the head's choice, made anew."""
-        given = self._given
+        given = self._options
         self.cache = fit_to_context(self.lm, cache, given["truncate"])
         self.row_length = max(min(given["row_length"], self.context or given["row_length"]), max(self.cache.lengths))
         full_logits = sum(self.cache.lengths) * self._vocab_size() * 4
@@ -179,15 +186,15 @@ class Scorer:
         # The cache's token ids on the host (made from the cache when first needed; not the caller's if it was cut).
         self._sequences = sequences if self.cache is cache else None
         self.oom_retries = 0
-        head_method = self._graph_options["head_method"]
+        head_method = given["head_method"]
         self.head = HeadChoice(forced=None if head_method is None else HeadMethod.parse(head_method))
         # With keep_token_logprobs, the latest evaluation's cells (sentences only), on the scoring
         # device: every token's log-prob (``token_logprobs``).
         self._token_cells: torch.Tensor | None = None
         self.cells = Cells(self.cache)  # where each log-prob lands, and the reduction
         upcast = self.precision.itemsize > self._built_dtype.itemsize
-        self.graphs = CudaGraphs(self.lm, self._graph_options["cuda_graphs"], self.sharded, self.tensor_parallel, upcast)
-        self.compiled = CompiledForward(self._graph_options["compile"], self.sharded)
+        self.graphs = CudaGraphs(self.lm, given["cuda_graphs"], self.sharded, self.tensor_parallel, upcast)
+        self.compiled = CompiledForward(given["compile"], self.sharded)
         self.layouts_built = 0  # row layouts (plans) made, the method check's samples included
         # The latest score()'s one-time costs, in seconds: laying out and preparing the plan (the
         # check's samples included) and the method check's forwards; 0 where they were reused.
@@ -207,8 +214,7 @@ class Scorer:
         """
         if cache.device != self.cache.device:
             raise ValueError(f"for_cache: the cache is on {cache.device}, this scorer's on {self.cache.device}")
-        embedding = self.lm.get_input_embeddings()
-        check_vocabulary(cache, getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0])
+        check_vocabulary(cache, embedding_rows(self.lm))
         other = copy.copy(self)
         other._bind(cache, sequences)
         return other

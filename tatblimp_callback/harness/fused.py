@@ -114,16 +114,11 @@ def _joined_tokens(
         np.fromiter(distinct, dtype=np.int32, count=int(context_lengths[firsts].sum())),
         np.fromiter(itertools.chain.from_iterable(continuations), dtype=np.int32, count=int(continuation_lengths.sum())),
     ]
-    # Request k's tokens are two runs, its context's among the distinct ones read, then its continuation's after them:
-    # the index of each token to copy steps by one within a run and jumps at a run's start (a running sum of steps).
+    # Request k's tokens are two runs, its context's among the distinct ones read, then its continuation's after them.
     runs = np.stack([context_lengths, continuation_lengths], axis=1).ravel()
     run_sources = np.stack([read[holder], len(parts[0]) + np.cumsum(continuation_lengths) - continuation_lengths], axis=1)
-    run_sources = run_sources.ravel()
-    steps = np.ones(int(runs.sum()), dtype=np.int32)
-    run_starts = np.cumsum(runs) - runs
-    steps[run_starts[1:]] = run_sources[1:] - (run_sources[:-1] + runs[:-1] - 1)
-    steps[0] = run_sources[0]
-    return np.concatenate(parts)[np.cumsum(steps, dtype=np.int32)], holder
+    shift = np.repeat(run_sources.ravel() - (np.cumsum(runs) - runs), runs)
+    return np.concatenate(parts)[np.arange(len(shift)) + shift], holder
 
 
 def _leading(counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -161,8 +156,8 @@ class RequestScorer:
         self.model = model
         self._options = {"memory_budget": memory_budget, "row_length": row_length, "release_memory": release_memory}
         self.each_process_its_own = each_process_its_own
-        self._checker: Scorer | None = None  # its method check serves every call (the first call's requests, cut)
-        self._template: Scorer | None = None  # the model's facts, with the checker's method check (``_scorer_for``)
+        # Its method check serves every call (the first call's requests, cut); each call's scorer is bound from it.
+        self._checker: Scorer | None = None
         self._scorer: Scorer | None = None  # the latest call's, with its plan
         self._sequences: tuple | None = None  # the latest call's (tokens, lengths, continuation lengths, pad id)
 
@@ -191,17 +186,16 @@ class RequestScorer:
             return self._scorer
         device = input_device(self.model)
         if self._checker is None or not self._checker.serves(self.model) or self._checker.cache.device != device:
+            # The spans go through greedy_head, never through the timed head methods: nothing to time (and a head
+            # never chosen reads by tiles, so the method check reads as it would unforced).
             check_cache = self._check_cache(tokens, lengths, pad_id, device)
-            self._checker = Scorer(self.model, check_cache, **self._options)
-            # Each call's scorer is this one bound to the call's requests (``Scorer.for_cache``): the model's facts
-            # are found once. The spans go through greedy_head, never through the timed head methods: nothing to time.
-            self._template = Scorer(self.model, check_cache, head_method="tiles", **self._options)
-            self._template.check = self._checker.check  # one method check for the harness model's life
+            self._checker = Scorer(self.model, check_cache, head_method="tiles", **self._options)
         cache = flat_sequence_cache(tokens, lengths, pad_id, device, "lm-eval")
         cache = replace(cache, span_tokens=tuple(continuation_lengths.tolist()))
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         host = TokenSequences(tokens, offsets, shared_prefixes)  # tree rows sort the distinct contexts only
-        scorer = self._template.for_cache(cache, host)
+        # The checker bound to these requests: its method check, the model's facts found once (``Scorer.for_cache``).
+        scorer = self._checker.for_cache(cache, host)
         self._scorer, self._sequences = scorer, key
         return scorer
 
