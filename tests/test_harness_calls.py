@@ -130,3 +130,26 @@ def test_the_harness_model_keeps_the_memory_it_frees_between_lm_evals_calls(monk
     lm.loglikelihood(requests, disable_tqdm=True)
     lm.loglikelihood(requests[:1], disable_tqdm=True)
     assert len(released) == 2
+
+
+def test_a_questions_choices_share_one_row_where_the_question_fits_twice_the_longest():
+    """400 multiple-choice requests of 150-word contexts took 180 rows of 332 positions for 100 questions: a question
+    split over two rows computed its context twice. Its rows are now as wide as its largest question (100 rows)."""
+    model = tiny_llama(50, seed=4).eval()
+    requests = questions(7, 12)
+    trees = [len(requests[q][0]) + sum(len(k) - 1 for _, k in requests[q : q + 4]) for q in range(0, len(requests), 4)]
+    longest = max(len(c) + len(k) for c, k in requests)
+    assert longest < max(trees) <= 2 * longest
+    scorer = RequestScorer(model, memory_budget=64 << 20, row_length=8)
+    answers = scorer.score(requests, 0, 64)
+    assert scorer._scorer.row_length == max(trees)
+    rows = scorer._scorer.layout().batches.rows.rows()
+    assert all(len({k // 4 for k in row}) == len(row) // 4 for row in rows)  # whole questions a row
+    plain = plain_scores(model, requests)
+    assert [a for a, _ in answers] == pytest.approx([a for a, _ in plain], abs=1e-4)
+    assert [g for _, g in answers] == [g for _, g in plain]
+    # A question more than twice as long as the rows would be (8): they stay 8 long, the question split.
+    wide = [([5, 6, 7], [rng_token, 8, 9, 10]) for rng_token in range(11, 23)]
+    wide = [(wide[0][0], continuation) for _, continuation in wide]  # one context list, as the harness hands it
+    scorer.score(wide, 0, 64)
+    assert scorer._scorer.row_length == 8 and scorer._scorer.layout().batches.rows.num_rows > 1

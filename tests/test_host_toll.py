@@ -4,6 +4,7 @@ by numpy on the CPU. Each is checked against the per-request (or per-column) com
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -15,6 +16,7 @@ from tatblimp_callback.engine.packing import TokenSequences, build_layout
 from tatblimp_callback.engine.rows import padded_matrix, prefix_order, shared_prefix_order, sorted_order, tree_order
 from tatblimp_callback.engine.tree_mask import interval_mask
 from tatblimp_callback.harness.fused import RequestScorer, request_sequences, request_tokens
+from test_packing import _assert_each_scored_token_sees_its_own_sequence
 
 # Token ids whose big-endian bytes end in or hold zero bytes, and the largest int32.
 AWKWARD_IDS = [0, 1, 255, 256, 65_535, 65_536, 16_777_216, 2**31 - 1]
@@ -108,7 +110,8 @@ def question_requests(rng: random.Random, questions: int, nested: bool) -> list[
 def test_the_order_of_shared_contexts_is_the_sort_of_the_whole_sequences():
     """Sorting the distinct contexts once and then each request's continuation gives the order, and the tokens each
     shares with the one before, that sorting the whole sequences gives; where a context is another's proper prefix
-    the harness model sorts the whole sequences. Either way its layout's batches are those of the whole sort."""
+    the harness model sorts the whole sequences. Its rows hold whole questions (a question is split only over rows of
+    its own, where it does not fit one), and each scored token sees its own sequence."""
     rng = random.Random(5)
     used = {True: 0, False: 0}
     for trial in range(40):
@@ -126,13 +129,17 @@ def test_the_order_of_shared_contexts_is_the_sort_of_the_whole_sequences():
         if known is not None:
             assert known[0].tolist() == expected[0].tolist(), trial
             assert known[1].tolist() == expected[1].tolist(), trial
+        sequences = [context + continuation for context, continuation in requests]
         for row_length in (int(inputs.max()), 3 * int(inputs.max())):
-            plain = build_layout(TokenSequences(tokens, offsets), "tree", row_length, 4 * row_length, pad_id=0)
             hinted = build_layout(TokenSequences(tokens, offsets, shared), "tree", row_length, 4 * row_length, pad_id=0)
-            assert len(plain.batches) == len(hinted.batches)
-            for k in range(len(plain.batches)):
-                a, b = plain.batches.arrays(k), hinted.batches.arrays(k)
-                assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a), (trial, k)
+            _assert_each_scored_token_sees_its_own_sequence(hinted, sequences, None)
+            if known is None:
+                continue
+            rows = hinted.batches.rows.rows()
+            for row, after in itertools.pairwise(rows):  # a question split: the rows after its first hold it alone
+                split = {tuple(requests[k][0]) for k in row} & {tuple(requests[k][0]) for k in after}
+                assert not split or {tuple(requests[k][0]) for k in after} == split, (trial, row_length)
+                assert not split or tuple(requests[row[0]][0]) in split, (trial, row_length)
     assert used[True] >= 15 and used[False] >= 5, used  # both ways, often
 
 

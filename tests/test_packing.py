@@ -203,3 +203,27 @@ def test_deep_random_trees_show_each_scored_token_its_own_sequence(continuations
     layout = build_layout(sequences, "tree", 700, 700, pad_id=BOS, scored_from=scored_from)
     assert len(layout.batches) > 1 and layout.batches.rows.common.max() > 256
     _assert_each_scored_token_sees_its_own_sequence(layout, sequences, scored_from)
+
+
+def test_tree_rows_are_as_wide_as_their_trees_rounded_up_widest_first():
+    # Stems of 30 to 200 tokens in rows of 256: the rows' trees differ in size, the last ones small.
+    sequences = _random_sequences(0, stem_tokens=(30, 200), count=30)
+    layout = build_layout(sequences, "tree", 256, 256 * 3, pad_id=BOS)
+    nodes = layout.batches.rows.row_nodes()
+    widths = [width for first, end, width in layout.batches.groups for _ in range(end - first)]
+    assert widths == [min(-(-n // 64) * 64, 256) for n in nodes.tolist()]  # each row's own, 64 a step
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) >= 3
+    assert layout.total_positions == sum(widths) < 256 * len(widths)
+    _assert_each_scored_token_sees_its_own_sequence(layout, sequences, None)
+
+
+def test_a_sequences_log_prob_does_not_depend_on_how_its_rows_are_batched():
+    from conftest import tiny_llama
+    from tatblimp_callback.engine.scoring import Scorer
+
+    sequences = _random_sequences(0, stem_tokens=(30, 200), count=30)
+    model = tiny_llama(16, seed=2)
+    scorers = [Scorer(model, cache_of(sequences), method="tree", memory_budget=budget) for budget in (1 << 18, 64 << 20)]
+    groups = [scorer.layout().batches.groups for scorer in scorers]
+    assert len(groups[0]) > len(groups[1])  # the smaller budget: more, smaller batches
+    assert torch.equal(scorers[0].score(), scorers[1].score())

@@ -94,6 +94,15 @@ class TokenSequences(Sequence):
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def largest_shared_tree(self) -> int:
+        """Inputs of the largest group of sequences that share a prefix (``shared_prefixes``), as one prefix tree: the
+        prefix once, then each sequence's inputs after it (at most that: two choices may start alike); 0 without them."""
+        if self.shared_prefixes is None or len(self) == 0:
+            return 0
+        holder, prefix = self.shared_prefixes
+        after = np.bincount(holder, weights=self.lengths() - 1 - prefix, minlength=len(self))
+        return int((prefix + after).max())
+
 
 class Batches(Sequence):
     """A layout's batches: prepared once as compact tensors on the device (the plan), or built when read.
@@ -179,6 +188,7 @@ class Layout:
 
 
 LAYOUTS = ("tree", "packed", "padded")
+TREE_WIDTH_STEP = 64  # tree rows are as wide as their positions rounded up to this (at most the row length)
 # Bytes a prepared plan holds: per position its token id (4), position id and subtree size (2 each
 # when a row is under 32K positions); per read position its index (4); per scored token its context,
 # target and sequence (4 each) and slot (2). The estimate, with 4-byte positions and sizes, is an upper bound.
@@ -233,7 +243,8 @@ def build_layout(
     if kind == "tree":
         known = None if known is None else shared_prefix_order(sequences.ids, sequences.offsets[:-1], inputs, *known)
         if known is not None:
-            rows = trees_in_rows(*known, inputs, row_length)
+            order, common, groups = known
+            rows = trees_in_rows(order, common, inputs, row_length, groups)
         else:
             rows = tree_order(padded_matrix(sequences.ids, sequences.offsets[chosen], inputs), inputs, row_length)
     elif kind == "packed":
@@ -243,17 +254,26 @@ def build_layout(
     else:
         raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
     rows.order = chosen[rows.order]
-    nodes = rows.row_nodes()
-    widths = nodes if kind == "padded" else np.full(rows.num_rows, row_length)
+    if kind == "tree":
+        # A tree row's width is its own, rounded up to a step: a row's numbers do not depend on its batch (nor on the
+        # budget), and a question's tree wider than the rest does not widen every row.
+        rows = rows.widest_first(np.minimum(-(-rows.row_nodes() // TREE_WIDTH_STEP) * TREE_WIDTH_STEP, row_length))
+        nodes = rows.row_nodes()
+        widths = np.minimum(-(-nodes // TREE_WIDTH_STEP) * TREE_WIDTH_STEP, row_length)
+    else:
+        nodes = rows.row_nodes()
+        widths = nodes if kind == "padded" else np.full(rows.num_rows, row_length)
 
     groups, total = [], 0
     start = 0
     while start < rows.num_rows:  # a loop over batches
-        # Rows are sorted longest first (or all as wide), so the first row of a batch sets its width;
-        # a batch ends where the budget does, or where rows get a quarter narrower (less padding).
+        # Rows are sorted widest first (or all as wide), so the first row of a batch sets its width; a batch ends where
+        # the budget does, or where rows get narrower: a quarter narrower when padded, at all for trees (their own widths).
         width = int(widths[start])
         limit = min(rows.num_rows, start + max(1, tokens_per_batch // max(width, 1)))
-        narrower = np.flatnonzero(4 * widths[start + 1 : limit] < 3 * width)
+        narrower = np.flatnonzero(
+            (widths[start + 1 : limit] < width) if kind == "tree" else (4 * widths[start + 1 : limit] < 3 * width)
+        )
         end = start + 1 + (int(narrower[0]) if len(narrower) else limit - start - 1)
         groups.append((start, end, width))
         total += (end - start) * width

@@ -36,6 +36,14 @@ class RowOrder:
         new = np.concatenate([[0], np.cumsum(self.inputs - self.common)])
         return new[self.row_starts[1:]] - new[self.row_starts[:-1]]
 
+    def widest_first(self, widths: np.ndarray) -> RowOrder:
+        """The same rows, the widest by ``widths`` (one a row) first, equally wide ones in their order."""
+        by_width = np.argsort(-widths, kind="stable")
+        counts = np.diff(self.row_starts)[by_width]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        taken = np.arange(starts[-1]) + np.repeat(self.row_starts[by_width] - starts[:-1], counts)
+        return RowOrder(self.order[taken], self.inputs[taken], self.common[taken], starts)
+
     def rows(self, chosen: np.ndarray | None = None) -> list[list[int]]:
         """The rows as lists of sequence indices (of ``chosen`` where given)."""
         ids = self.order if chosen is None else np.asarray(chosen)[self.order]
@@ -72,9 +80,13 @@ def prefix_order(matrix: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, np
     return order, common
 
 
-def trees_in_rows(order: np.ndarray, common: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOrder:
+def trees_in_rows(
+    order: np.ndarray, common: np.ndarray, inputs: np.ndarray, row_length: int, groups: np.ndarray | None = None
+) -> RowOrder:
     """The sequences in ``order`` (each sharing ``common[i]`` leading inputs with the one before it) laid out in rows
-    of prefix trees of at most ``row_length`` positions (``tree_order``)."""
+    of prefix trees of at most ``row_length`` positions (``tree_order``). With ``groups`` (each sequence's group, in
+    ``order``: a question and its choices, ``shared_prefix_order``) a row ends before a group it would split, unless
+    the group started the row."""
     check_fits(inputs, row_length)
     common = common.copy()
     inputs = inputs[order].astype(np.int64)
@@ -82,11 +94,18 @@ def trees_in_rows(order: np.ndarray, common: np.ndarray, inputs: np.ndarray, row
     # running sum of new inputs, its end is found by one search a row (a loop over rows, not sequences).
     new = np.concatenate([[0], np.cumsum(inputs - common)]).tolist()
     first_inputs = inputs.tolist()
+    group_first = None  # the first sequence of each one's group
+    if groups is not None and len(groups):
+        begins = np.concatenate([[True], groups[1:] != groups[:-1]])
+        group_first = [*np.maximum.accumulate(np.where(begins, np.arange(len(groups)), 0)).tolist(), len(groups)]
     starts = [0]
     while starts[-1] < len(order):  # Python's bisect on lists: numpy's searchsorted costs ~20x more a call
         s = starts[-1]
         limit = new[s + 1] + row_length - first_inputs[s]  # the first sequence's inputs count in full
-        starts.append(max(s + 1, bisect.bisect_right(new, limit) - 1))
+        end = max(s + 1, bisect.bisect_right(new, limit) - 1)
+        if group_first is not None and group_first[end] > s:
+            end = group_first[end]
+        starts.append(end)
     row_starts = np.array(starts, dtype=np.int64)
     common[row_starts[:-1]] = 0
     return RowOrder(order, inputs, common, row_starts)
@@ -94,9 +113,10 @@ def trees_in_rows(order: np.ndarray, common: np.ndarray, inputs: np.ndarray, row
 
 def shared_prefix_order(
     ids: np.ndarray, offsets: np.ndarray, inputs: np.ndarray, holder: np.ndarray, prefix: np.ndarray
-) -> tuple[np.ndarray, np.ndarray] | None:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """``prefix_order`` of sequences of which many start with the same prefix (a question's context, before each of
-    its choices), without comparing those prefixes again for each sequence.
+    its choices), without comparing those prefixes again for each sequence; and each one's group in that order (the
+    place of its prefix among the distinct ones: sequences with equal prefixes are one group, a question).
 
     Sequence ``k`` (``ids[offsets[k]:]``, ``inputs[k]`` inputs) starts with the first ``prefix[k]`` (at most
     ``inputs[k]``) tokens of sequence ``holder[k]``, which has a prefix as long. The distinct prefixes are sorted and
@@ -120,7 +140,7 @@ def shared_prefix_order(
     order, common = prefix_order(keyed, rest + 1)
     # The same rank: the prefix and the rest's shared tokens; another: what the two distinct prefixes share.
     common = np.where(common > 0, prefix[order] + common - 1, first_shared[ranks[order]])
-    return order, common
+    return order, common, ranks[order]
 
 
 def padded_matrix(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
