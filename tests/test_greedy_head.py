@@ -113,7 +113,7 @@ def test_the_harness_model_scores_through_the_scorers_retry_and_method_recheck(m
     """``RequestScorer`` is the engine's ``Scorer`` on spans: an out-of-memory forward is retried at half the budget
     with the same answers, the method is checked again once the weights have moved (it was chosen once for life),
     and the same requests again reuse the scorer and its plan."""
-    import tatblimp_callback.engine.scoring as scoring
+    import tatblimp_callback.engine.batch_forward as batch_forward
     from tatblimp_callback.harness.fused import RequestScorer
 
     model = tiny_llama(50, seed=6)
@@ -122,14 +122,14 @@ def test_the_harness_model_scores_through_the_scorers_retry_and_method_recheck(m
 
     scorer = RequestScorer(model, memory_budget=64 << 20)
     failures = iter([True])
-    original = scoring.model_output
+    original = batch_forward.model_output
 
     def once_out_of_memory(*args, **kwargs):
         if next(failures, False):
             raise torch.OutOfMemoryError("emulated")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(scoring, "model_output", once_out_of_memory)
+    monkeypatch.setattr(batch_forward, "model_output", once_out_of_memory)
     assert scorer.score(requests, 0, 64) == expected
     assert scorer._scorer.oom_retries == 1 and scorer._scorer.memory_budget == 32 << 20
 

@@ -254,14 +254,14 @@ def build_layout(
     else:
         raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
     rows.order = chosen[rows.order]
+    nodes = rows.row_nodes()
     if kind == "tree":
-        # A tree row's width is its own, rounded up to a step: a row's numbers do not depend on its batch (nor on the
-        # budget), and a question's tree wider than the rest does not widen every row.
-        rows = rows.widest_first(np.minimum(-(-rows.row_nodes() // TREE_WIDTH_STEP) * TREE_WIDTH_STEP, row_length))
-        nodes = rows.row_nodes()
+        # A tree row's width is its own, rounded up to a step, the widest rows first: a row's numbers do not depend on
+        # its batch (nor on the budget), and a question's tree wider than the rest does not widen every row.
         widths = np.minimum(-(-nodes // TREE_WIDTH_STEP) * TREE_WIDTH_STEP, row_length)
+        by_width = np.argsort(-widths, kind="stable")
+        rows, nodes, widths = rows.in_order(by_width), nodes[by_width], widths[by_width]
     else:
-        nodes = rows.row_nodes()
         widths = nodes if kind == "padded" else np.full(rows.num_rows, row_length)
 
     groups, total = [], 0

@@ -36,12 +36,11 @@ class RowOrder:
         new = np.concatenate([[0], np.cumsum(self.inputs - self.common)])
         return new[self.row_starts[1:]] - new[self.row_starts[:-1]]
 
-    def widest_first(self, widths: np.ndarray) -> RowOrder:
-        """The same rows, the widest by ``widths`` (one a row) first, equally wide ones in their order."""
-        by_width = np.argsort(-widths, kind="stable")
-        counts = np.diff(self.row_starts)[by_width]
+    def in_order(self, rows: np.ndarray) -> RowOrder:
+        """The same rows, in the order of the row indices ``rows``."""
+        counts = np.diff(self.row_starts)[rows]
         starts = np.concatenate([[0], np.cumsum(counts)])
-        taken = np.arange(starts[-1]) + np.repeat(self.row_starts[by_width] - starts[:-1], counts)
+        taken = np.arange(starts[-1]) + np.repeat(self.row_starts[rows] - starts[:-1], counts)
         return RowOrder(self.order[taken], self.inputs[taken], self.common[taken], starts)
 
     def rows(self, chosen: np.ndarray | None = None) -> list[list[int]]:
