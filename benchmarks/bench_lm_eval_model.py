@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (on a loaded machine 1 keeps small ops from waiting)")
     parser.add_argument("--host-profile", help="request counts (e.g. 400,4000): profile tatblimp's calls only (see above)")
+    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    parser.add_argument("--corpus", type=Path, default=SHARED / "tatar-corpus" / "train.txt", help="the multiple-choice text")
     args = parser.parse_args(argv)
     log = lambda *parts: print(*parts, flush=True)  # noqa: E731
 
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    tokenizer = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    tokenizer = load_converted_tokenizer(args.tokenizer)
     model = make_model(args.shape, len(tokenizer), device, torch.float32 if device.type == "cpu" else torch.bfloat16)
     common = dict(pretrained=model, tokenizer=tokenizer, max_length=2048)
     models = {"hf": HFLM(batch_size=args.batch_size, **common), "tatblimp": register()(**common)}
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.host_profile:
         for count in map(int, args.host_profile.split(",")):
-            requests = mc_requests(SHARED / "tatar-corpus" / "train.txt", count // 4, args.mc_context_words)
+            requests = mc_requests(args.corpus, count // 4, args.mc_context_words)
             profile = report[f"host_profile_{count}"] = host_profile(models["tatblimp"], requests, args.rounds, device)
             log(
                 f"{count:,} multiple-choice requests: call {profile['total']:.3f} s = encoding {profile['encoding']:.3f} + body "
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["blimp"] = measure("BLiMP", requests, models, device, args.rounds, args.memory_requests, log)
         report["blimp"]["pairs"] = len(requests) // 2
     if "mc" in tasks:
-        requests = mc_requests(SHARED / "tatar-corpus" / "train.txt", args.mc_questions, args.mc_context_words)
+        requests = mc_requests(args.corpus, args.mc_questions, args.mc_context_words)
         report["mc"] = measure("multiple choice", requests, models, device, args.rounds, args.memory_requests, log)
         report["mc"]["context_words"] = args.mc_context_words
     report["machine"]["load_after"] = list(os.getloadavg())

@@ -43,6 +43,10 @@ vLLM's tensor parallelism:
 (``--tensor-parallel-size 4`` for Llama-4-Scout on four 141 GB H200s too; ``results.json`` carries
 ``seconds`` and ``startup_seconds``.)
 
+6. the harness model (issue #52): ``--model tatblimp`` against ``--model hf`` on multiple-choice requests of
+   ``--mc-questions`` questions (``bench_lm_eval_model.py``; its text from ``--corpus``), the target at least 3x
+   (``--skip-harness-mc`` skips it).
+
 It prints one JSON object (and writes it to ``--json``). A CPU smoke run of the same code:
 
     python benchmarks/gpu_check.py --device cpu --model-shape tiny --steps 20
@@ -62,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scoring import (
     DTYPES,
+    SHARED,
     LmEvalRunner,
     load_converted_tokenizer,
     make_model,
@@ -119,6 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-speed", action="store_true", help="1b.: no eager / graphs / compiled rows")
     parser.add_argument("--speed-rows", default="eager,graphs,compiled,compiled_graphs", help="1b.: which rows")
     parser.add_argument("--skip-precision", action="store_true", help="no bench_precision.py part (issue #54)")
+    parser.add_argument("--skip-harness-mc", action="store_true", help="6.: no --model tatblimp against --model hf")
+    parser.add_argument("--corpus", type=Path, default=SHARED / "tatar-corpus" / "train.txt", help="6.: its text")
+    parser.add_argument("--mc-questions", type=int, default=100, help="6.: questions of four choices")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -277,10 +285,28 @@ def main(argv: list[str] | None = None) -> dict:
 
         options = ["--device", args.device, "--model-shape", args.model_shape, "--data", str(args.data)]
         report["precision"] = bench_precision([*options, "--tokenizer", str(args.tokenizer)])
+        save(report, args.json)
+    if not args.skip_harness_mc:
+        report["harness_mc"] = harness_mc(args)
+        report["targets"]["harness_mc_at_least_3x_hf"] = report["harness_mc"].get("speedup", 0) >= 3
     report["wall_seconds"] = time.perf_counter() - started
     save(report, args.json)
     print(json.dumps(report, indent=2))
     return report
+
+
+def harness_mc(args) -> dict:
+    """6.: ``--model tatblimp`` against ``--model hf`` on multiple-choice requests (``bench_lm_eval_model.py``: 150-word
+    contexts, four endings; the model's shape in the device's dtype), issue #52's target at least 3x; without lm-eval
+    the error is recorded."""
+    from bench_lm_eval_model import main as bench_lm_eval_model
+
+    options = ["--device", args.device, "--shape", args.model_shape, "--tasks", "mc", "--rounds", "2"]
+    options += ["--mc-questions", str(args.mc_questions), "--tokenizer", str(args.tokenizer), "--corpus", str(args.corpus)]
+    try:
+        return bench_lm_eval_model(options)["mc"]
+    except ImportError as error:
+        return {"error": f"lm-eval could not be imported: {error}"}
 
 
 def vllm_part(folder: str, tokenizer, benchmark, ours: torch.Tensor, args) -> dict:
