@@ -67,8 +67,9 @@ DEFAULT_ROW_LENGTH = 256
 SAMPLE_PAIRS = 12  # pairs in the sample the scoring method is checked on
 PLAN_SHARE = 4  # a kept layout's prepared batches (its plan) may hold up to a quarter of the memory budget
 # Sequences that share a prefix (``TokenSequences.shared_prefixes``: the harness's question and its choices) get rows
-# wide enough for the largest such tree where it is at most this many rows long: split, a tree's next row holds its
-# prefix again (400 multiple-choice requests: 180 rows of 332 positions for 100 questions, against 100 rows of 345).
+# wide enough for the largest such tree where it is at most this many times the row length otherwise used: split, a
+# tree's next row holds its prefix again (400 multiple-choice requests: 180 rows of 332 positions for 100 questions,
+# against 100 rows of 320 or 374).
 WHOLE_TREE_ROWS = 2
 
 
