@@ -132,9 +132,10 @@ def test_the_harness_model_keeps_the_memory_it_frees_between_lm_evals_calls(monk
     assert len(released) == 2
 
 
-def test_a_questions_choices_share_one_row_where_the_question_fits_twice_the_longest():
+def test_a_questions_choices_share_one_row_where_the_question_is_at_most_twice_the_row():
     """400 multiple-choice requests of 150-word contexts took 180 rows of 332 positions for 100 questions: a question
-    split over two rows computed its context twice. Its rows are now as wide as its largest question (100 rows)."""
+    split over two rows computed its context twice. Rows are now as wide as the largest question where it is at most
+    twice the row length otherwise used (there: 100 rows), and a row ends before a question it would split."""
     model = tiny_llama(50, seed=4).eval()
     requests = questions(7, 12)
     trees = [len(requests[q][0]) + sum(len(k) - 1 for _, k in requests[q : q + 4]) for q in range(0, len(requests), 4)]
@@ -149,7 +150,6 @@ def test_a_questions_choices_share_one_row_where_the_question_fits_twice_the_lon
     assert [a for a, _ in answers] == pytest.approx([a for a, _ in plain], abs=1e-4)
     assert [g for _, g in answers] == [g for _, g in plain]
     # A question more than twice as long as the rows would be (8): they stay 8 long, the question split.
-    wide = [([5, 6, 7], [rng_token, 8, 9, 10]) for rng_token in range(11, 23)]
-    wide = [(wide[0][0], continuation) for _, continuation in wide]  # one context list, as the harness hands it
-    scorer.score(wide, 0, 64)
+    context = [5, 6, 7]
+    scorer.score([(context, [token, 8, 9, 10]) for token in range(11, 23)], 0, 64)  # one context list, as the harness
     assert scorer._scorer.row_length == 8 and scorer._scorer.layout().batches.rows.num_rows > 1
