@@ -4,7 +4,8 @@ the requests again in a pass of their own).
 
 Both score one randomly initialised Llama (``bench_scoring.SHAPES``) with the shared 48K SentencePiece tokenizer on
 TatBLiMP (1,248 pairs) and the harness task ``local_blimp`` (three BLiMP files, ``--blimp-docs`` pairs: two
-requests each). The first evaluation of each way (the method check, the encoding) is left out; then each way's
+requests each), or with ``--tasks local_mc`` multiple-choice questions whose four endings share a long context
+(``--mc-questions``, ``--mc-context-words``). The first evaluation of each way (the method check, the encoding) is left out; then each way's
 evaluation is timed ``--rounds`` times, alternated so that a shared machine's load falls on both, and the best kept.
 The metrics of both ways are compared.
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--blimp-docs", type=int, default=300)
+    parser.add_argument("--tasks", default="local_blimp", help="local_blimp, local_mc or both (comma-separated)")
+    parser.add_argument("--mc-questions", type=int, default=40, help="local_mc's questions")
+    parser.add_argument("--mc-context-words", type=int, default=0, help="local_mc's context words (0: half a line)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -53,9 +57,13 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cpu")
     model = make_model(args.shape, len(tokenizer), device, torch.float32)
     tasks = write_tasks(
-        Path(tempfile.mkdtemp(prefix="tatblimp-bench-tasks-")), SHARED / "blimp" / "data", SHARED / "tatar-corpus" / "train.txt"
+        Path(tempfile.mkdtemp(prefix="tatblimp-bench-tasks-")),
+        SHARED / "blimp" / "data",
+        SHARED / "tatar-corpus" / "train.txt",
+        questions=args.mc_questions,
+        context_words=args.mc_context_words,
     )
-    names, limit = ["local_blimp"], args.blimp_docs
+    names, limit = args.tasks.split(","), args.blimp_docs
 
     harness = HarnessTasks(names, tokenizer, include_path=str(tasks), limit=limit)
     start = time.perf_counter()
@@ -91,6 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": args.shape,
         "tatblimp_pairs": len(fused_results.pairs),
         "harness_requests": len(spans),
+        # The fused pass's plan: rows as wide as the largest question's tree (a question's choices in one row).
+        "fused_plan": {
+            "row_length": fused._scorer.row_length,
+            "positions": fused._scorer.layout().total_positions,
+            "rows": fused._scorer.layout().batches.rows.num_rows,
+            "forward_calls": len(fused._scorer.layout().batches),
+        },
         "prepare_seconds": prepare_seconds,
         "first_call_seconds": {name: value[1] for name, value in first.items()},
         "seconds": times,

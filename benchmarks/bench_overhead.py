@@ -7,7 +7,14 @@ In one process and one run:
       by a dense packed forward of the same tokens with logits, log-softmax and the gather of the
       targets (its batches built beforehand, not timed);
   (b) host time: one TatBLiMP evaluation with the TATlit 48K tokenizer and a small random Llama, less
-      the time inside the model's forward (``forward.model_output``) and the head (``forward.read_logprobs``);
+      the time inside the model's forward (``forward.model_output``) and the head (``forward.read_logprobs``, or
+      the tiled head's ``head_choice.method_logprobs``);
+  (c) the same on a model of the 478M shape's depth (24 layers, hidden 16); the same evaluation on the CUDA graph
+      path with replays that cost nothing (``graph_path_host``: what that path spends beside the GPU's work,
+      measured on any device); and apart, in ms, the checks made at every evaluation whose cost grows with the
+      number of modules: the weights' fingerprint
+      (``model_checks.weight_fingerprint``; once the weights have moved, only at a re-check), the structure that
+      CUDA graphs are keyed by (``cuda_graphs.model_structure``; CUDA only), and ``model_state.scoring_mode``;
   (m) the tree mask's options on the CPU: the model's body over the same tree rows with the dense boolean
       mask, the additive float mask, rows of half and twice the length, and packed rows without a mask
       (exactness: each one's per-sentence log-probs against the default's); with ``--flex``, FlexAttention
@@ -38,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tatblimp_callback import Scorer, ScoringMethod, SentencePieceTokenizer, build_cache, load_benchmark  # noqa: E402
-from tatblimp_callback.engine import scoring  # noqa: E402
+from tatblimp_callback.engine import batch_forward, head_choice  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 
@@ -144,9 +151,11 @@ def host_seconds(scorer: Scorer, repeats: int) -> dict:
     time is theirs; the host time is then what a GPU cannot overlap with its own work.
     """
     inside = [0.0]
+    calls: dict[str, int] = {}  # each timed function's calls over the repeats
 
     def timed(fn):
         def wrapper(*args, **kwargs):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
             synchronize()
             start = time.perf_counter()
             try:
@@ -157,8 +166,11 @@ def host_seconds(scorer: Scorer, repeats: int) -> dict:
 
         return wrapper
 
-    model_output, read_logprobs = scoring.model_output, scoring.read_logprobs
-    scoring.model_output, scoring.read_logprobs = timed(model_output), timed(read_logprobs)
+    # Where the scorer looks them up: the body's call and both heads' (the tiled one through ``head_choice``).
+    patched = [(batch_forward, "model_output"), (batch_forward, "read_logprobs"), (head_choice, "method_logprobs")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    for (owner, name), original in zip(patched, originals):
+        setattr(owner, name, timed(original))
     try:
         rows = []
         for _ in range(repeats):
@@ -170,9 +182,61 @@ def host_seconds(scorer: Scorer, repeats: int) -> dict:
             total = time.perf_counter() - start
             rows.append((total - inside[0], total, inside[0]))
     finally:
-        scoring.model_output, scoring.read_logprobs = model_output, read_logprobs
+        for (owner, name), original in zip(patched, originals):
+            setattr(owner, name, original)
     host, total, model = min(rows)
-    return {"host_seconds": host, "seconds": total, "model_and_head_seconds": model, "all": rows}
+    return {"host_seconds": host, "seconds": total, "model_and_head_seconds": model, "all": rows, "timed_calls": calls}
+
+
+def graph_path_host(model, cache, repeats: int) -> dict:
+    """The best of ``repeats`` evaluations on the CUDA graph path whose replays cost nothing (each graph's output is
+    what its capture computed, right for these unchanged weights): the host time of that path, on any device."""
+    from tatblimp_callback.engine.cuda_graphs import TorchGraphs
+
+    class FreeReplays(TorchGraphs):
+        def supports(self, device):
+            return True
+
+        def pool(self):
+            return object()
+
+        def warm(self, fn):
+            return fn()
+
+        def capture(self, fn, pool):
+            output = fn()
+            return output, output
+
+        def replay(self, graph):
+            pass
+
+    scorer = Scorer(model, cache)
+    scorer.graphs.graph_factory = FreeReplays()
+    for _ in range(3):  # the method check, the capture
+        scorer.score()
+    seconds, times = best(scorer.score, repeats)
+    return {"seconds": seconds, "times": times, "replays": scorer.graphs.replays, "reason": scorer.graphs.reason}
+
+
+def per_evaluation_checks(model, repeats: int, number: int = 20) -> dict:
+    """Milliseconds of each check an evaluation makes on ``model`` whose cost grows with its modules (best of
+    ``repeats`` runs of ``number`` calls)."""
+    import timeit
+
+    from tatblimp_callback.engine.cuda_graphs import model_structure
+    from tatblimp_callback.engine.model_checks import weight_fingerprint
+    from tatblimp_callback.engine.model_state import scoring_mode
+
+    def enter_and_leave_scoring_mode():
+        with scoring_mode(model):
+            pass
+
+    checks = {
+        "weight_fingerprint": lambda: weight_fingerprint(model),
+        "model_structure": lambda: model_structure(model),
+        "scoring_mode": enter_and_leave_scoring_mode,
+    }
+    return {name: 1000 * min(timeit.repeat(fn, number=number, repeat=repeats)) / number for name, fn in checks.items()}
 
 
 @torch.no_grad()
@@ -295,6 +359,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"(b) host: {1000 * host['host_seconds']:.1f} ms of a {1000 * host['seconds']:.0f} ms evaluation "
         f"(plan {spm_ours['plan_bytes'] / 2**20:.2f} MiB, {spm_ours['plan_bytes_per_position']:.1f} B/position)"
+    )
+
+    # (c) the 478M shape's depth
+    deep = llama(len(spm), hidden=16, layers=24, heads=2, kv_heads=1)
+    deep_scorer = Scorer(deep, spm_cache)
+    first_and_best(deep_scorer, 1)
+    report["deep"] = {
+        **host_seconds(deep_scorer, args.repeats),
+        "graph_path": graph_path_host(deep, spm_cache, args.repeats),
+        "checks_ms": per_evaluation_checks(deep, args.repeats),
+    }
+    checks = ", ".join(f"{name} {ms:.2f}" for name, ms in report["deep"]["checks_ms"].items())
+    print(
+        f"(c) 24 layers: host {1000 * report['deep']['host_seconds']:.1f} ms; the graph path, replays free: "
+        f"{1000 * report['deep']['graph_path']['seconds']:.1f} ms; per-evaluation checks (ms): {checks}"
     )
 
     if not args.skip_masks:

@@ -19,7 +19,7 @@ It measures, in one process:
    same sentences and model, its time, peak memory and per-sentence agreement with ours;
 3. the engine's own costs (issue #31): the first call's plan and method check (in ``ours``), the host
    time of one evaluation (outside the model's forward and the head, device synchronised around them),
-   the model's body over tree rows with the boolean and the additive mask, rows of 128 and 512, and
+   the checks made at every evaluation that grow with the model's modules (``per_evaluation_checks_ms``), the model's body over tree rows with the boolean and the additive mask, rows of 128 and 512, and
    packed rows without a mask (each one's log-probs against the default's), and the attention alone
    with FlexAttention's block-sparse interval mask against SDPA's dense one (``--skip-masks`` skips
    these);
@@ -217,12 +217,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. The engine's own costs: host time, the tree mask's options, FlexAttention.
     if not args.skip_masks:
-        from bench_overhead import flex_against_sdpa, host_seconds, mask_options
+        from bench_overhead import flex_against_sdpa, host_seconds, mask_options, per_evaluation_checks
 
         # Without graphs: a replay calls no forward to time apart (part 1b's rows give each way's host time).
         eager = Scorer(model, cache, cuda_graphs=False)
         eager.score()
         report["host"] = host_seconds(eager, args.repeats)
+        report["per_evaluation_checks_ms"] = per_evaluation_checks(model, args.repeats)
         report["masks"] = mask_options(model, cache, args.repeats)
         save(report, args.json)
         try:

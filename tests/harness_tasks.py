@@ -10,8 +10,13 @@ from pathlib import Path
 BLIMP_FILES = ["adjunct_island", "complex_NP_island", "sentential_subject_island"]  # one schema
 
 
-def write_tasks(folder: Path, blimp: Path, corpus: Path, questions: int = 40, documents: int = 12) -> Path:
-    """Write the three tasks (``local_blimp``, ``local_mc``, ``local_rolling``) and their data into ``folder``."""
+def write_tasks(
+    folder: Path, blimp: Path, corpus: Path, questions: int = 40, documents: int = 12, context_words: int = 0
+) -> Path:
+    """Write the three tasks (``local_blimp``, ``local_mc``, ``local_rolling``) and their data into ``folder``.
+
+    ``local_mc``'s question is the first half of a corpus line, or with ``context_words`` that many words of the corpus
+    from that line on (a long context, which the four endings share)."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = [line for line in corpus.read_text(encoding="utf-8").splitlines() if len(line.split()) >= 8][:2000]
     rng = random.Random(0)
@@ -23,7 +28,10 @@ def write_tasks(folder: Path, blimp: Path, corpus: Path, questions: int = 40, do
         endings = [" ".join(words[half : half + 6]), *wrong]
         label = rng.randrange(4)
         endings[0], endings[label] = endings[label], endings[0]
-        mc.append({"question": " ".join(words[:half]), "endings": endings, "label": label})
+        question = words[:half]
+        if context_words:
+            question = " ".join(lines[k : k + context_words // 4]).split()[:context_words]  # lines have 8 words or more
+        mc.append({"question": " ".join(question), "endings": endings, "label": label})
     # Documents of several lines: some longer than the tiny models' 256-token context, so that they roll over windows.
     docs = [{"text": " ".join(lines[500 + 9 * k : 500 + 9 * k + 1 + k % 9])} for k in range(documents)]
     (folder / "mc.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in mc), encoding="utf-8")

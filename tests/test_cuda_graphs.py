@@ -165,6 +165,36 @@ def test_merging_a_lora_adapter_captures_again(cache):
     assert torch.equal(got, scorer_with(lora, cache, cuda_graphs=False).score())
 
 
+def test_the_structure_changes_with_storage_hooks_modules_and_adapters_not_with_an_in_place_step():
+    peft = pytest.importorskip("peft")
+    model = tiny_llama(VOCAB)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    structure = model_structure(lora)
+    with torch.no_grad():
+        for parameter in lora.parameters():
+            parameter.add_(0.5)  # an optimizer's step: the graphs read the new values
+    assert model_structure(lora) == structure
+    layer = model.model.layers[0]
+    handle = layer.mlp.register_forward_hook(lambda module, inputs, output: output)
+    assert model_structure(lora) != structure
+    handle.remove()
+    assert model_structure(lora) == structure
+    lora.base_model.disable_adapter_layers()
+    assert model_structure(lora) != structure
+    lora.base_model.enable_adapter_layers()
+    assert model_structure(lora) == structure
+    original = layer.mlp.act_fn
+    layer.mlp.act_fn = torch.nn.GELU()  # another module, no parameter changed
+    assert model_structure(lora) != structure
+    layer.mlp.act_fn = original
+    assert model_structure(lora) == structure
+    weight = layer.mlp.up_proj.weight
+    weight.data = weight.data[:, :-1]  # the same storage (data_ptr), another shape
+    assert model_structure(lora) != structure
+    # A method named like adapter state (transformers' ``active_adapters()``) is no state of the model's.
+    assert all(adapters is None for *_, adapters in model_structure(tiny_llama(VOCAB)))
+
+
 def test_a_forward_that_synchronises_with_the_host_falls_back_with_the_reason_logged_once(cache, caplog):
     model = tiny_llama(VOCAB)
     emulated = Emulated(sync=True)

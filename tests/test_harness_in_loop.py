@@ -182,3 +182,41 @@ def test_in_loop_rolling_metrics_equal_the_harness_scoring_the_same_documents_it
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         expected = out["results"]["local_rolling"][f"{metric},none"]
         assert metrics[f"lm_eval/local_rolling/{metric}"] == pytest.approx(expected, rel=1e-6), metric
+
+
+def test_in_the_fused_pass_a_questions_choices_share_one_row(bpe_tokenizer, small_data):
+    """In TatBLiMP's pass the harness's requests come without the harness model's hint of which share a context list:
+    the spans with one context are found in the cache, and the rows widened to the largest such question where that is
+    at most twice the row length (``bench_harness_in_loop.py --tasks local_mc``, TatBLiMP beside 100 questions of
+    150-word contexts: 177 rows of 337 positions before, 161 of up to 373 now)."""
+    import random
+
+    from tatblimp_callback import Evaluator
+    from tatblimp_callback.engine.scored_spans import Spans
+
+    model = tiny_llama(len(bpe_tokenizer), seed=3)
+    rng = random.Random(5)
+    lines = [bpe_tokenizer(line)["input_ids"] for line in CORPUS.read_text(encoding="utf-8").splitlines()[:400]]
+    sequences, scored, trees = [], [], []
+    for ids in [ids for ids in lines if len(ids) >= 40][:6]:
+        context = [bpe_tokenizer.bos_token_id, *ids[:40]]
+        endings = [[rng.randrange(3, len(bpe_tokenizer)) for _ in range(rng.randint(4, 8))] for _ in range(4)]
+        sequences += [context + ending for ending in endings]
+        scored += [len(ending) for ending in endings]
+        trees.append(len(context) + sum(len(ending) - 1 for ending in endings))
+    evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True, spans=Spans(sequences, scored), row_length=8)
+    evaluator(model)
+    scorer = evaluator._scorer
+    longest = max(scorer.cache.lengths)
+    assert longest < max(trees) <= 2 * longest  # each question is longer than a row would be without the widening
+    assert scorer.row_length == max(trees)
+    first = scorer.spans.first
+    rows_of_question = [
+        {r for r, row in enumerate(scorer.layout().batches.rows.rows()) for s in row if s >= first and (s - first) // 4 == q}
+        for q in range(len(trees))
+    ]
+    assert all(len(rows) == 1 for rows in rows_of_question)
+    with torch.no_grad():
+        for (logprob, _), ids, n in zip(evaluator.span_scores, sequences, scored, strict=True):
+            lp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+            assert logprob == pytest.approx(sum(lp[i - 1, ids[i]].item() for i in range(len(ids) - n, len(ids))), abs=1e-4)

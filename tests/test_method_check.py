@@ -128,21 +128,58 @@ def test_layouts_ruled_out_by_position_blind_weights_are_tried_again_once_the_we
 
 def test_recheck_schedule_after_the_weights_move_then_every_tenth_evaluation(bpe_tokenizer):
     model = llama(len(bpe_tokenizer))
+    reads = []
+
+    def fingerprint():  # the weights' fingerprint, counting its reads
+        reads.append(1)
+        return weight_fingerprint(model)
+
     schedule = RecheckSchedule()
-    schedule.checked(weight_fingerprint(model))
-    assert not any(schedule.due(weight_fingerprint(model)) for _ in range(RECHECK_EVERY - 1))
-    assert schedule.due(weight_fingerprint(model))  # the 10th evaluation since the check
-    schedule.checked(weight_fingerprint(model))
+    schedule.checked(fingerprint)
+    assert not any(schedule.due(fingerprint) for _ in range(RECHECK_EVERY - 1))
+    assert schedule.due(fingerprint)  # the 10th evaluation since the check
+    schedule.checked(fingerprint)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1 + MOVED / 2)  # not yet appreciable
-    assert not schedule.due(weight_fingerprint(model))
+    assert not schedule.due(fingerprint)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1 + 2 * MOVED)
-    assert schedule.due(weight_fingerprint(model))  # moved by more than 1%: checked at once
-    schedule.checked(weight_fingerprint(model))
+    assert schedule.due(fingerprint)  # moved by more than 1%: checked at once
+    assert len(reads) == RECHECK_EVERY + 3  # while the first move was awaited: one read a call
+    schedule.checked(fingerprint)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1 + 2 * MOVED)
-    assert not schedule.due(weight_fingerprint(model))  # after that, every 10th evaluation only
+    assert not any(schedule.due(fingerprint) for _ in range(RECHECK_EVERY - 1))  # after that, every 10th only
+    assert schedule.due(fingerprint)
+    assert len(reads) == RECHECK_EVERY + 3  # and the weights are not read again
+
+
+def test_once_the_weights_have_moved_an_evaluation_reads_no_fingerprint(bpe_tokenizer, cache, monkeypatch):
+    """The fingerprint serves only the wait for the first move: a training run's later evaluations skip reading
+    the weights (on a GPU, a copy to the host at every evaluation)."""
+    from tatblimp_callback.engine import method_check
+
+    reads = []
+    monkeypatch.setattr(method_check, "weight_fingerprint", lambda lm: reads.append(1) or weight_fingerprint(lm))
+    model = llama(len(bpe_tokenizer))
+    scorer = Scorer(model, cache)
+    scorer.score()
+    scorer.score()  # the weights as checked: one read to see that
+    assert len(reads) == 2
+
+    def train():
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1 + 2 * MOVED)
+
+    train()
+    scorer.score()  # moved: checked again at once
+    assert len(reads) == 3  # the read that saw the move (nothing is kept at that check: no move is awaited)
+    for _ in range(RECHECK_EVERY + 2):  # the schedule counts evaluations only from now on
+        train()
+        scorer.score()
+    assert len(reads) == 3
+    assert scorer.check.recheck.since_check == 2  # the tenth evaluation after the move was checked again

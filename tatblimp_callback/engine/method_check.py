@@ -15,6 +15,7 @@ scored token, is kept (``rounding``): the bound that ``exact_decisions`` rescore
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -86,7 +87,7 @@ class MethodCheck:
         if self.method is None or not self.checked:
             self.method = self.choose()
             return self.method
-        fingerprint = weight_fingerprint(self.lm)
+        fingerprint = functools.cache(lambda: weight_fingerprint(self.lm))  # read only if the schedule asks, once
         if distributed.all_agree(not self.recheck.due(fingerprint)):
             return self.method
         reference = self._reference()
@@ -125,7 +126,7 @@ class MethodCheck:
         if method is None:
             raise ScoringError("no scoring method matches a plain forward of this model; its logits may be non-deterministic")
         self.checked = True
-        self.recheck.checked(weight_fingerprint(self.lm))
+        self.recheck.checked(lambda: weight_fingerprint(self.lm))
         self.rounding = self._errors.get(method)
         return method
 

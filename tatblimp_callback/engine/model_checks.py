@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..tokenized.cache import SentenceCache
+from .model_state import parameters_of
 
 logger = logging.getLogger(__name__)
 
@@ -217,18 +218,23 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
     """Up to ``FINGERPRINT_VALUES`` evenly spaced values of every floating-point weight tensor, float64 on the CPU.
 
     Of a sharded weight (FSDP2, tensor parallel) this process's shard; processes combine their verdicts. The values of
-    each device go to the CPU together (one copy, not one per weight: a device map leaves weights on several devices).
+    each device are gathered in one ``cat`` of strided views and go to the CPU together (one copy, not one per weight:
+    a device map leaves weights on several devices).
     """
     parts: dict[torch.device, list[torch.Tensor]] = {}
-    for parameter in lm.parameters():
+    for parameter in parameters_of(lm):
         if parameter.is_meta:  # offloaded to disk or CPU by a device map: read only while its layer runs
             continue
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-        flat = local.detach().reshape(-1)
-        if flat.numel() and flat.is_floating_point():
-            sampled = flat[:: max(1, flat.numel() // FINGERPRINT_VALUES)][:FINGERPRINT_VALUES]
-            parts.setdefault(flat.device, []).append(sampled.to(torch.float64))
-    values = [torch.cat(sampled).cpu() for sampled in parts.values()]
+        local = (parameter.to_local() if hasattr(parameter, "to_local") else parameter).detach()
+        count = local.numel()
+        if count and local.is_floating_point():
+            step = max(1, count // FINGERPRINT_VALUES)
+            if local.is_contiguous():  # flat[::step][:FINGERPRINT_VALUES] as one view
+                sampled = local.as_strided((min(FINGERPRINT_VALUES, -(-count // step)),), (step,))
+            else:
+                sampled = local.reshape(-1)[::step][:FINGERPRINT_VALUES]
+            parts.setdefault(local.device, []).append(sampled)
+    values = [torch.cat(sampled).to(torch.float64).cpu() for sampled in parts.values()]
     return torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
 
 

@@ -83,6 +83,24 @@ def flat_sequence_cache(
     )
 
 
+def largest_question(cache: SentenceCache) -> int:
+    """Inputs of the largest prefix tree that the cache's spans with the same context make (a harness question and its
+    choices): the context once, then each span's inputs after it, as ``TokenSequences.largest_shared_tree`` counts
+    them; 0 without spans. Read from the cache's tokens once, on the host."""
+    spans = cache.span_tokens
+    if not spans:
+        return 0
+    first = cache.num_sentences - len(spans)
+    ids = cache.token_ids.cpu().numpy()
+    offsets = cache.offsets.cpu().tolist()
+    trees: dict[bytes, int] = {}  # a context's tokens -> its tree's inputs
+    for k, scored in enumerate(spans):
+        start, end = offsets[first + k], offsets[first + k + 1]
+        context = ids[start : end - scored].tobytes()
+        trees[context] = trees.get(context, end - scored - start) + scored - 1
+    return max(trees.values())
+
+
 class SpanReader:
     """Which sequences of a scorer's cache are spans, from which cell on, and their greedy flags after a pass.
 

@@ -125,22 +125,27 @@ def agree(values: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, r
 
 class RecheckSchedule:
     """When to compare the chosen method with a plain forward again: at the first evaluation whose weights
-    moved by more than ``MOVED`` (relative) from those it was checked on, then every ``RECHECK_EVERY`` evaluations."""
+    moved by more than ``MOVED`` (relative) from those it was checked on, then every ``RECHECK_EVERY`` evaluations.
+
+    The weights' fingerprint is given as a function, called only while the first move is awaited: after it, an
+    evaluation costs no read of the weights (on a GPU, no copy to the host) to decide.
+    """
 
     def __init__(self):
         self.fingerprint: torch.Tensor | None = None
         self.since_check = 0
         self.waiting_for_change = True
 
-    def checked(self, fingerprint: torch.Tensor) -> None:
-        self.fingerprint, self.since_check = fingerprint, 0
+    def checked(self, fingerprint: Callable[[], torch.Tensor]) -> None:
+        self.since_check = 0
+        self.fingerprint = fingerprint() if self.waiting_for_change else None
 
-    def due(self, fingerprint: torch.Tensor) -> bool:
+    def due(self, fingerprint: Callable[[], torch.Tensor]) -> bool:
         """Whether this evaluation (one call per evaluation) should check the method again."""
         self.since_check += 1
         if self.since_check >= RECHECK_EVERY:
             return True
-        if self.waiting_for_change and relative_change(fingerprint, self.fingerprint) > MOVED:
+        if self.waiting_for_change and relative_change(fingerprint(), self.fingerprint) > MOVED:
             self.waiting_for_change = False
             return True
         return False
