@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,15 @@ BLIMP = SHARED / "blimp" / "data"
 
 # The test models are tiny: one thread is as fast, and two threads on a busy 2-core machine are many times slower.
 torch.set_num_threads(1)
+
+
+def load_module(path: Path, name: str | None = None):
+    """The Python file at ``path`` (a benchmark, an example, a docs hook) imported as a module of its own."""
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

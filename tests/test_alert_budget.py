@@ -3,25 +3,20 @@ against RegressionMonitor on the same outcomes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.stats import binomtest
 
+from conftest import REPO, load_module
 from tatblimp_callback.results import alert_budget
 from tatblimp_callback.results.regressions import RegressionMonitor
 from tatblimp_callback.results.stats import Outcomes, encode_outcomes
 
 
 def _bench():
-    path = Path(__file__).parents[1] / "benchmarks" / "bench_alert_false_alarms.py"
-    spec = importlib.util.spec_from_file_location("bench_alert_false_alarms", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "benchmarks" / "bench_alert_false_alarms.py")
 
 
 def test_the_shares_of_the_evaluations_sum_to_at_most_one_over_any_number_of_them():

@@ -3,22 +3,15 @@ GPU call a task may get, so a measure that no longer finds what it times must fa
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-from conftest import tiny_llama
+from conftest import REPO, load_module, tiny_llama
 from tatblimp_callback import Scorer
 
 
 @pytest.fixture(scope="module")
 def bench_overhead():
-    path = Path(__file__).parents[1] / "benchmarks" / "bench_overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "benchmarks" / "bench_overhead.py")
 
 
 @pytest.fixture

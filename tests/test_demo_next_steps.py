@@ -3,7 +3,6 @@ environment and the ``export TATBLIMP_DATA=...`` the guides' commands need: run,
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
@@ -12,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import CORPUS, DATA, REPO
+from conftest import CORPUS, DATA, REPO, load_module
 
 
 @pytest.mark.slow
@@ -43,10 +42,7 @@ def test_the_demos_last_lines_run_as_printed(tmp_path):
 
 
 def load_demo():
-    spec = importlib.util.spec_from_file_location("train_tiny_tatar", REPO / "examples" / "train_tiny_tatar.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "examples" / "train_tiny_tatar.py")
 
 
 def test_an_alert_during_training_is_a_line_of_its_own_above_the_progress_bar(capsys):

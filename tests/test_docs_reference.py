@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import html
-import importlib.util
 import re
 
-from conftest import REPO
+from conftest import REPO, load_module
 from tatblimp_callback.cli import build_parser
 
 
 def load_hook():
-    spec = importlib.util.spec_from_file_location("cli_reference", REPO / "docs" / "hooks" / "cli_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "docs" / "hooks" / "cli_reference.py")
 
 
 def commands(parser: argparse.ArgumentParser, name: str = "tatblimp"):
