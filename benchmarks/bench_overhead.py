@@ -12,9 +12,9 @@ In one process and one run:
   (c) the same on a model of the 478M shape's depth (24 layers, hidden 16); the same evaluation on the CUDA graph
       path with replays that cost nothing (``graph_path_host``: what that path spends beside the GPU's work,
       measured on any device); and apart, in ms, the checks made at every evaluation whose cost grows with the
-      number of modules: the weights' fingerprint
-      (``model_checks.weight_fingerprint``; once the weights have moved, only at a re-check), the structure that
-      CUDA graphs are keyed by (``cuda_graphs.model_structure``; CUDA only), and ``model_state.scoring_mode``;
+      number of modules: the weights' fingerprint (``model_checks.weight_fingerprint``; once the weights have
+      moved, only at a re-check), the structure that CUDA graphs are keyed by (``cuda_graphs.model_structure``;
+      CUDA only), and ``model_state.scoring_mode``;
   (m) the tree mask's options on the CPU: the model's body over the same tree rows with the dense boolean
       mask, the additive float mask, rows of half and twice the length, and packed rows without a mask
       (exactness: each one's per-sentence log-probs against the default's); with ``--flex``, FlexAttention
