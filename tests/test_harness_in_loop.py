@@ -186,8 +186,8 @@ def test_in_loop_rolling_metrics_equal_the_harness_scoring_the_same_documents_it
 
 def test_in_the_fused_pass_a_questions_choices_share_one_row(bpe_tokenizer, small_data):
     """In TatBLiMP's pass the harness's requests come without the harness model's hint of which share a context list:
-    the spans with one context are found in the cache, and the rows widened to the largest such question where that is
-    at most twice the row length (``bench_harness_in_loop.py --tasks local_mc``, TatBLiMP beside 100 questions of
+    the spans with one context are found in the cache, the rows widened to the largest such question of those at most
+    twice the row length, and a row ends before a question it would split (``bench_harness_in_loop.py --tasks local_mc``, TatBLiMP beside 100 questions of
     150-word contexts: 177 rows of 337 positions before, 161 of up to 373 now)."""
     import random
 
@@ -198,17 +198,22 @@ def test_in_the_fused_pass_a_questions_choices_share_one_row(bpe_tokenizer, smal
     rng = random.Random(5)
     lines = [bpe_tokenizer(line)["input_ids"] for line in CORPUS.read_text(encoding="utf-8").splitlines()[:400]]
     sequences, scored, trees = [], [], []
-    for ids in [ids for ids in lines if len(ids) >= 40][:6]:
-        context = [bpe_tokenizer.bos_token_id, *ids[:40]]
+    # Questions longer than a row would be, and shorter ones that sort between sentences.
+    for k, ids in enumerate([ids for ids in lines if len(ids) >= 40][:16]):
+        context = [bpe_tokenizer.bos_token_id, *ids[: 40 if k < 6 else rng.randint(8, 30)]]
         endings = [[rng.randrange(3, len(bpe_tokenizer)) for _ in range(rng.randint(4, 8))] for _ in range(4)]
         sequences += [context + ending for ending in endings]
         scored += [len(ending) for ending in endings]
         trees.append(len(context) + sum(len(ending) - 1 for ending in endings))
+    # BLiMP's requests share only the prefix token: a group too large for any row, which must not keep rows narrow.
+    blimp = [[bpe_tokenizer.bos_token_id, *ids[:8]] for ids in lines if len(ids) >= 8][:40]
+    sequences, scored = sequences + blimp, scored + [8] * len(blimp)
     evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True, spans=Spans(sequences, scored), row_length=8)
     evaluator(model)
     scorer = evaluator._scorer
     longest = max(scorer.cache.lengths)
     assert longest < max(trees) <= 2 * longest  # each question is longer than a row would be without the widening
+    assert 1 + 7 * len(blimp) > 2 * longest
     assert scorer.row_length == max(trees)
     first = scorer.spans.first
     rows_of_question = [

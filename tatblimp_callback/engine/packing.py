@@ -69,6 +69,7 @@ class TokenSequences(Sequence):
         token_ids: torch.Tensor | np.ndarray,
         offsets: torch.Tensor | np.ndarray,
         shared_prefixes: tuple[np.ndarray, np.ndarray] | None = None,
+        groups: np.ndarray | None = None,
     ):
         self.ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int32)
         self.offsets = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets).astype(np.int64)
@@ -76,6 +77,9 @@ class TokenSequences(Sequence):
         # holder[k] (the harness's requests: a question's choices hold its context), so that tree rows sort the
         # distinct prefixes once (``rows.shared_prefix_order``).
         self.shared_prefixes = shared_prefixes
+        # Each sequence's group where the maker knows them without the prefixes (a question's spans in a fused cache,
+        # ``scored_spans.span_questions``): a tree row ends before a group it would split.
+        self.groups = groups
 
     @classmethod
     def of(cls, sequences: Sequence[list[int]]) -> TokenSequences:
@@ -94,14 +98,15 @@ class TokenSequences(Sequence):
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def largest_shared_tree(self) -> int:
-        """Inputs of the largest group of sequences that share a prefix (``shared_prefixes``), as one prefix tree: the
-        prefix once, then each sequence's inputs after it (at most that: two choices may start alike); 0 without them."""
+    def shared_trees(self) -> np.ndarray:
+        """Inputs of each group of sequences that share a prefix (``shared_prefixes``), as one prefix tree: the prefix
+        once, then each sequence's inputs after it (at most that: two choices may start alike); none without them."""
         if self.shared_prefixes is None or len(self) == 0:
-            return 0
+            return np.zeros(0, dtype=np.int64)
         holder, prefix = self.shared_prefixes
+        holders = np.unique(holder)
         after = np.bincount(holder, weights=self.lengths() - 1 - prefix, minlength=len(self))
-        return int((prefix + after).max())
+        return (prefix[holders] + after[holders]).astype(np.int64)
 
 
 class Batches(Sequence):
@@ -237,6 +242,7 @@ def build_layout(
     """
     sequences = TokenSequences.of(sequences)
     known = sequences.shared_prefixes if chosen is None and not answer_ids else None
+    sequence_groups = sequences.groups if chosen is None else None
     chosen = np.arange(len(sequences)) if chosen is None else np.asarray(list(chosen), dtype=np.int64)
     inputs = sequences.lengths()[chosen] - (0 if answer_ids else 1)
     row_length = max(row_length, int(inputs.max(initial=0)))
@@ -246,7 +252,9 @@ def build_layout(
             order, common, groups = known
             rows = trees_in_rows(order, common, inputs, row_length, groups)
         else:
-            rows = tree_order(padded_matrix(sequences.ids, sequences.offsets[chosen], inputs), inputs, row_length)
+            rows = tree_order(
+                padded_matrix(sequences.ids, sequences.offsets[chosen], inputs), inputs, row_length, sequence_groups
+            )
     elif kind == "packed":
         rows = packed_order(inputs, row_length)
     elif kind == "padded":

@@ -55,15 +55,17 @@ def check_fits(inputs: np.ndarray, row_length: int) -> None:
         raise ValueError(f"sentence {too_long[0]} has {inputs[too_long[0]]} tokens, more than a row of {row_length}")
 
 
-def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int) -> RowOrder:
+def tree_order(matrix: np.ndarray, inputs: np.ndarray, row_length: int, groups: np.ndarray | None = None) -> RowOrder:
     """Prefix-tree rows of the sequences padded with -1 into ``matrix`` [sequences x longest input].
 
     Sorted as lists sort (a shorter sequence before the longer ones it starts; -1 is below any token
     id), equal sequences by index: a sequence shares the most leading tokens with the one just before
     it, so a row's tree grows by the tokens after that common prefix, and a row ends where its tree
-    would outgrow ``row_length`` positions.
+    would outgrow ``row_length`` positions, or before a group (``groups``: each sequence's, as ``trees_in_rows``
+    takes them in order) that it would split.
     """
-    return trees_in_rows(*prefix_order(matrix, inputs), inputs, row_length)
+    order, common = prefix_order(matrix, inputs)
+    return trees_in_rows(order, common, inputs, row_length, None if groups is None else groups[order])
 
 
 def prefix_order(matrix: np.ndarray, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

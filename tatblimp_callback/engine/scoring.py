@@ -55,7 +55,7 @@ from .model_checks import (
 from .model_state import scoring_mode
 from .packing import Layout, TokenSequences, build_layout
 from .precision import compute_dtype, computing_in, float32_truth, scoring_precision, weights_dtype
-from .scored_spans import SpanReader, largest_question
+from .scored_spans import SpanReader, question_rows
 from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .scoring_pass import score_cells
 
@@ -66,11 +66,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROW_LENGTH = 256
 SAMPLE_PAIRS = 12  # pairs in the sample the scoring method is checked on
 PLAN_SHARE = 4  # a kept layout's prepared batches (its plan) may hold up to a quarter of the memory budget
-# Sequences that share a prefix (a harness question and its choices: ``TokenSequences.shared_prefixes``, or spans
-# with one context, ``scored_spans.largest_question``) get rows as wide as the largest such tree where it is at most
-# this many times the row length otherwise used: split, a tree's next row holds its prefix again (400 multiple-choice
-# requests: 180 rows of 332 positions for 100 questions, against 100 rows of 320 or 374).
-WHOLE_TREE_ROWS = 2
 
 
 class Scorer(BatchForward):
@@ -88,7 +83,7 @@ class Scorer(BatchForward):
             the cached tokens, and lets one forward call hold every position where a quarter of free GPU memory does.
         row_length: positions per row; raised to the longest sequence, and to the largest prefix tree of the sequences
             in ``sequences.shared_prefixes`` (without them, of the cache's harness requests with the same context)
-            where that is at most ``WHOLE_TREE_ROWS`` times as long.
+            of those at most ``scored_spans.WHOLE_TREE_ROWS`` times as long.
         head_method: force how the LM head gives log-probs (``"tiles"`` or ``"chunks:N"``, see ``head_choice``),
             never timed; None times the candidates at the first evaluation and keeps the fastest exact one.
         method: force a ``ScoringMethod`` (or a layout: "tree", "packed", "padded"), never checked;
@@ -185,9 +180,7 @@ class Scorer(BatchForward):
         # The cache's token ids on the host (made from the cache when first needed; not the caller's if it was cut).
         self._sequences = sequences if self.cache is cache else None
         self.row_length = max(min(given["row_length"], self.context or given["row_length"]), max(self.cache.lengths))
-        tree = self._sequences.largest_shared_tree() if self._sequences is not None else largest_question(self.cache)
-        if tree <= WHOLE_TREE_ROWS * self.row_length:  # a question's choices in one row: its context computed once
-            self.row_length = max(self.row_length, tree)
+        self.row_length, self._sequences = question_rows(self.cache, self._sequences, self.row_length)
         full_logits = sum(self.cache.lengths) * self._vocab_size() * 4
         self.memory_budget = given["memory_budget"] or default_memory_budget(self.cache.device, full_logits)
         self.call_budget = (

@@ -133,8 +133,8 @@ class RequestScorer:
     Args:
         model: the causal LM (the harness's loaded model, or the training model).
         memory_budget: bytes of extra memory for activations and head tiles (None: the engine's default).
-        row_length: positions per row (at least the longest sequence; raised to the largest question where that is at
-            most twice as long, ``Scorer``'s).
+        row_length: positions per row (at least the longest sequence; raised to the largest question of those at most
+            twice as long, ``Scorer``'s).
         each_process_its_own: under ``torch.distributed``, each process holds requests of its own (the harness's
             data-parallel ``HFLM`` deals them out by rank) and scores them alone; otherwise (the in-loop tasks)
             every process holds them all, and each scores a share of the batches.

@@ -31,8 +31,8 @@ class TatBLiMPLM(HFLM):
     Args:
         memory_budget: bytes of extra memory per forward call and head tile (default: the engine's,
             from free device memory); the harness's ``batch_size`` is not used for log-likelihoods.
-        row_length: positions per row (raised to the longest request, and to the largest question where that is at
-            most twice as long: a question's choices share one row).
+        row_length: positions per row (raised to the longest request, and to the largest question of those at most
+            twice as long: a question's choices share one row).
         release_memory: on a CPU, hand the memory each call freed back to the system after it (glibc's
             ``malloc_trim``). Off by default: the harness's calls follow each other and reuse that memory (trimming
             it and touching it again cost 4-9 ms a call); on inside a training run (``in_training``).
