@@ -5,8 +5,9 @@ the requests again in a pass of their own).
 Both score one randomly initialised Llama (``bench_scoring.SHAPES``) with the shared 48K SentencePiece tokenizer on
 TatBLiMP (1,248 pairs) and the harness task ``local_blimp`` (three BLiMP files, ``--blimp-docs`` pairs: two
 requests each), or with ``--tasks local_mc`` multiple-choice questions whose four endings share a long context
-(``--mc-questions``, ``--mc-context-words``). The first evaluation of each way (the method check, the encoding) is left out; then each way's
-evaluation is timed ``--rounds`` times, alternated so that a shared machine's load falls on both, and the best kept.
+(``--mc-questions``, ``--mc-context-words``). The first evaluation of each way (the method check, the encoding) is
+left out; then each way's evaluation is timed ``--rounds`` times, alternated so that a shared machine's load falls on
+both, and the best kept.
 The metrics of both ways are compared.
 
     python benchmarks/bench_harness_in_loop.py --shape tiny --json benchmarks/results/harness-in-loop-tiny.json
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             times[name].append(time.perf_counter() - start)
             first[name] = (out, first[name][1])
     (fused_results, fused_metrics), _ = first["fused"]
+    plan = fused._scorer.layout()
     (separate_results, separate_metrics), _ = first["separate"]
     report = {
         "shape": args.shape,
@@ -102,9 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
         # The fused pass's plan: rows as wide as the largest question's tree (a question's choices in one row).
         "fused_plan": {
             "row_length": fused._scorer.row_length,
-            "positions": fused._scorer.layout().total_positions,
-            "rows": fused._scorer.layout().batches.rows.num_rows,
-            "forward_calls": len(fused._scorer.layout().batches),
+            "positions": plan.total_positions,
+            "rows": plan.batches.rows.num_rows,
+            "forward_calls": len(plan.batches),
         },
         "prepare_seconds": prepare_seconds,
         "first_call_seconds": {name: value[1] for name, value in first.items()},

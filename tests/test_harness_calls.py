@@ -154,8 +154,8 @@ def test_a_questions_choices_share_one_row_where_the_question_is_at_most_twice_t
     wide = [(context, [token, 8, 9, 10]) for token in range(11, 23)]  # one context list, as the harness hands it out
     scorer.score(wide, 0, 64)
     assert scorer._scorer.row_length == 8 and scorer._scorer.layout().batches.rows.num_rows > 1
-    # Beside questions that fit, it keeps none of them from a row of its own (BLiMP's requests in a fused cache share
-    # the prefix token: a group larger than any row).
+    # Beside questions that fit, such a group (as BLiMP's requests in a fused cache, which share only the prefix token)
+    # does not keep the rows from being widened to them.
     larger = [(context, [a, b, 8, 9]) for a in range(11, 21) for b in range(21, 31)]  # 3 + 100 x 3 inputs as a tree
     scorer.score(requests + larger, 0, 64)
     assert scorer._scorer.row_length == max(trees)

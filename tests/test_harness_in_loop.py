@@ -187,8 +187,9 @@ def test_in_loop_rolling_metrics_equal_the_harness_scoring_the_same_documents_it
 def test_in_the_fused_pass_a_questions_choices_share_one_row(bpe_tokenizer, small_data):
     """In TatBLiMP's pass the harness's requests come without the harness model's hint of which share a context list:
     the spans with one context are found in the cache, the rows widened to the largest such question of those at most
-    twice the row length, and a row ends before a question it would split (``bench_harness_in_loop.py --tasks local_mc``, TatBLiMP beside 100 questions of
-    150-word contexts: 177 rows of 337 positions before, 161 of up to 373 now)."""
+    twice the row length, and a row ends before a question it would split (``bench_harness_in_loop.py --tasks
+    local_mc``, TatBLiMP beside 100 questions of 150-word contexts: 177 rows of 337 positions before, 161 of up to
+    373 now)."""
     import random
 
     from tatblimp_callback import Evaluator

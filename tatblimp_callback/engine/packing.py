@@ -69,7 +69,6 @@ class TokenSequences(Sequence):
         token_ids: torch.Tensor | np.ndarray,
         offsets: torch.Tensor | np.ndarray,
         shared_prefixes: tuple[np.ndarray, np.ndarray] | None = None,
-        groups: np.ndarray | None = None,
     ):
         self.ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int32)
         self.offsets = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets).astype(np.int64)
@@ -78,8 +77,8 @@ class TokenSequences(Sequence):
         # distinct prefixes once (``rows.shared_prefix_order``).
         self.shared_prefixes = shared_prefixes
         # Each sequence's group where the maker knows them without the prefixes (a question's spans in a fused cache,
-        # ``scored_spans.span_questions``): a tree row ends before a group it would split.
-        self.groups = groups
+        # ``scored_spans.question_rows``): a tree row ends before a group it would split.
+        self.groups: np.ndarray | None = None
 
     @classmethod
     def of(cls, sequences: Sequence[list[int]]) -> TokenSequences:

@@ -90,19 +90,15 @@ def flat_sequence_cache(
     )
 
 
-def span_questions(cache: SentenceCache, at_most: int) -> tuple[np.ndarray, int]:
-    """Each sequence's group (a harness question: the cache's spans with the same context) and the inputs of the
-    largest group's prefix tree of those of at most ``at_most`` inputs (the context once, then each span's inputs
-    after it, as ``TokenSequences.shared_trees`` counts them). A sequence outside such a group is a group of its own
-    (a sentence; BLiMP's requests, which share only the prefix token, make a group larger than any row). Read from the
-    cache's tokens once, on the host."""
-    groups = np.arange(cache.num_sentences)
-    spans = cache.span_tokens
-    if not spans:
-        return groups, 0
-    first = cache.num_sentences - len(spans)
-    ids = cache.token_ids.cpu().numpy()
-    offsets = cache.offsets.cpu().tolist()
+def span_questions(host: TokenSequences, spans: Sequence[int], at_most: int) -> tuple[np.ndarray, int]:
+    """Each sequence's group (a harness question: the spans, the last ``len(spans)`` sequences of ``host``, with the
+    same context) and the inputs of the largest group's prefix tree of those of at most ``at_most`` inputs (the
+    context once, then each span's inputs after it, as ``TokenSequences.shared_trees`` counts them). A sequence
+    outside such a group is a group of its own (a sentence; BLiMP's requests, which share only the prefix token, make
+    a group larger than any row)."""
+    groups = np.arange(len(host))
+    first = len(host) - len(spans)
+    ids, offsets = host.ids, host.offsets.tolist()
     questions: dict[bytes, list[int]] = {}  # a context's tokens -> [its tree's inputs, its first span]
     for k, scored in enumerate(spans):
         start, end = offsets[first + k], offsets[first + k + 1]
@@ -125,8 +121,9 @@ def question_rows(cache: SentenceCache, sequences: TokenSequences | None, row_le
         return max(row_length, int(trees[trees <= at_most].max(initial=0))), sequences
     if not cache.span_tokens:
         return row_length, None
-    groups, tree = span_questions(cache, at_most)
-    return max(row_length, tree), TokenSequences(cache.token_ids, cache.offsets, groups=groups)
+    host = TokenSequences(cache.token_ids, cache.offsets)  # the layouts' host ids too: copied from the device once
+    host.groups, tree = span_questions(host, cache.span_tokens, at_most)
+    return max(row_length, tree), host
 
 
 class SpanReader:
