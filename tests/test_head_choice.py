@@ -58,11 +58,23 @@ def test_whole_vocabulary_chunks_give_the_tiled_heads_log_probs_also_where_logit
 def test_the_first_evaluation_times_every_candidate_keeps_their_output_and_stays_within_its_bound(cache, model, monkeypatch):
     monkeypatch.setattr(head_choice, "MIN_CHOICE_FLOPS", 0)
     scorer = Scorer(model, cache, method=ScoringMethod("tree", "tiled"), row_length=128)
-    calls = []
+    calls, checking = [], []  # (method, contexts, made by a comparison) of each head call
     original = head_choice.method_logprobs
     monkeypatch.setattr(
-        head_choice, "method_logprobs", lambda lm, m, *a: calls.append((str(m), a[0].shape[0])) or original(lm, m, *a)
+        head_choice,
+        "method_logprobs",
+        lambda lm, m, *a: calls.append((str(m), a[0].shape[0], bool(checking))) or original(lm, m, *a),
     )
+    original_check = head_choice.HeadChoice._check
+
+    def check(self, *args):  # a candidate's comparison with today's tiles: its calls are not output
+        checking.append(True)
+        try:
+            return original_check(self, *args)
+        finally:
+            checking.pop()
+
+    monkeypatch.setattr(head_choice.HeadChoice, "_check", check)
     scores = scorer.score()
     record = scorer.head_choice
     assert record["chosen_by"] == "timing" and str(scorer.head_method) == record["head_method"]
@@ -73,8 +85,9 @@ def test_the_first_evaluation_times_every_candidate_keeps_their_output_and_stays
     assert 0 <= record["timing_added_seconds"] <= 1.5 * record["timing_bound_seconds"]
     # Every context is scored once as output (the pieces and the rest), plus the few each candidate is compared on.
     contexts = sum(b.score_positions.numel() for b in scorer.layout().batches)
-    compared = sum(n for name, n in calls if name == "tiles" and n <= head_choice.CHECKED_CONTEXTS)
-    assert sum(n for _, n in calls) - compared == contexts
+    compared = [(name, n) for name, n, made_by_comparison in calls if made_by_comparison]
+    assert compared and all(name == "tiles" and n <= head_choice.CHECKED_CONTEXTS for name, n in compared)
+    assert sum(n for _, n, made_by_comparison in calls if not made_by_comparison) == contexts
     forced = Scorer(model, cache, method=ScoringMethod("tree", "tiled"), row_length=128, head_method="tiles")
     expected = forced.score()
     tokens = torch.tensor(cache.lengths, dtype=torch.float64) - 1
@@ -82,7 +95,7 @@ def test_the_first_evaluation_times_every_candidate_keeps_their_output_and_stays
     # Later evaluations use the chosen method alone, and the results say what it was and how it was chosen.
     calls.clear()
     logprobs, info = timed_score(scorer)
-    assert {name for name, _ in calls} == {record["head_method"]} and _close(logprobs, expected, tokens)
+    assert {name for name, *_ in calls} == {record["head_method"]} and _close(logprobs, expected, tokens)
     assert info["head_method"] == record["head_method"] and info["head_choice"] is record
     assert forced.head_choice == {"head_method": "tiles", "chosen_by": "given"}
 
