@@ -47,12 +47,23 @@ def test_head_never_sees_more_than_a_tile_and_full_logits_never_exist(model, sma
     assert str(scorer.method) == "tree rows, tiled head"
     head_weight = model.get_output_embeddings().weight
     tiles: list[tuple[int, int]] = []  # (contexts, vocabulary columns) of each head matmul
-    real_linear = F.linear
+    real_linear, real_mm, real_addmm = F.linear, torch.mm, torch.addmm
+
+    def note(input, weight, columns):
+        if weight.untyped_storage().data_ptr() == head_weight.untyped_storage().data_ptr():
+            tiles.append((input.reshape(-1, input.shape[-1]).shape[0], columns))
 
     def recording_linear(input, weight, bias=None):
-        if weight.untyped_storage().data_ptr() == head_weight.untyped_storage().data_ptr():
-            tiles.append((input.reshape(-1, input.shape[-1]).shape[0], weight.shape[0]))
+        note(input, weight, weight.shape[0])
         return real_linear(input, weight, bias)
+
+    def recording_mm(input, transposed, **kwargs):  # the tiles' F.linear, into their buffer
+        note(input, transposed, transposed.shape[1])
+        return real_mm(input, transposed, **kwargs)
+
+    def recording_addmm(bias, input, transposed, **kwargs):
+        note(input, transposed, transposed.shape[1])
+        return real_addmm(bias, input, transposed, **kwargs)
 
     head, head_calls = model.get_output_embeddings(), []
     real_forward = torch.nn.Linear.forward
@@ -64,6 +75,8 @@ def test_head_never_sees_more_than_a_tile_and_full_logits_never_exist(model, sma
 
     monkeypatch.setattr(torch.nn.Linear, "forward", recording_forward)
     monkeypatch.setattr(F, "linear", recording_linear)
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    monkeypatch.setattr(torch, "addmm", recording_addmm)
     second = scorer.score()
     contexts = sum(b.score_positions.numel() for b in scorer.layout().batches)
     rows, columns = scorer.head_tile
