@@ -258,11 +258,14 @@ def test_one_tile_of_the_head_gives_the_tiled_heads_log_probs_and_the_models_own
         counts.update(one_tile=0, tiled=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_tile_of_the_head_is_written_into_the_same_memory_with_the_heads_own_values(dtype):
+@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_every_tile_of_the_head_is_written_into_the_same_memory_with_the_heads_own_values(dtype, autocast):
     """The tiles of one readout share one buffer (a fresh tile each time lands at addresses the system must zero and
-    the cache has never held), and each holds ``F.linear``'s logits widened to float32, softcapped, the narrower last
-    tile included; with the model's own logits given, their copy."""
+    the cache has never held), and each holds ``F.linear``'s logits of its columns widened to float32, softcapped, the
+    narrower last tile included, under bf16 autocast too (as scoring float32 weights in bf16 runs); with the model's
+    own logits given, their copy."""
+    import contextlib
+
     import torch.nn.functional as F
 
     from tatblimp_callback.engine.tiled_head import vocabulary_tiles
@@ -274,17 +277,20 @@ def test_every_tile_of_the_head_is_written_into_the_same_memory_with_the_heads_o
     for bias_or_none, cap, own_logits in [(None, None, False), (bias, 30.0, False), (None, None, True)]:
         places, firsts = set(), []
         given = (own, None) if own_logits else (hidden, weight)
-        for first, logits in vocabulary_tiles(*given, bias_or_none, cap, 16):
-            part = slice(first, first + 16)
-            if own_logits:
-                expected = own[:, part].float()
-            else:  # the matmul of this tile's columns, as the head computes it
-                expected = F.linear(hidden, weight[part], None if bias_or_none is None else bias_or_none[part]).float()
-            expected = (expected / cap).tanh() * cap if cap else expected
-            assert logits.dtype == torch.float32 and torch.equal(logits, expected)
-            places.add(logits.data_ptr())
-            firsts.append(first)
-            logits.fill_(float("nan"))  # the caller may change a tile in place: the next is written anew
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            for first, logits in vocabulary_tiles(*given, bias_or_none, cap, 16):
+                part = slice(first, first + 16)
+                if own_logits:
+                    expected = own[:, part].float()
+                else:  # the matmul of this tile's columns, as the head computes it
+                    expected = F.linear(hidden, weight[part], None if bias_or_none is None else bias_or_none[part])
+                    assert expected.dtype == (torch.bfloat16 if autocast else dtype)
+                    expected = expected.float()
+                expected = (expected / cap).tanh() * cap if cap else expected
+                assert logits.dtype == torch.float32 and torch.equal(logits, expected)
+                places.add(logits.data_ptr())
+                firsts.append(first)
+                logits.fill_(float("nan"))  # the caller may change a tile in place: the next is written anew
         assert firsts == [0, 16, 32, 48] and len(places) == 1
 
 

@@ -160,8 +160,10 @@ def vocabulary_tiles(hidden: torch.Tensor, weight: torch.Tensor | None, bias, ca
     vocab = weight.shape[0] if weight is not None else hidden.shape[-1]
     size = hidden.shape[0] * min(columns, vocab)
     tiles = torch.empty(size, dtype=torch.float32, device=hidden.device)
-    # The matmul's own output where the weights are not float32: rounded as the head rounds it, then widened.
-    low = None if weight is None or weight.dtype == torch.float32 else torch.empty(size, dtype=weight.dtype, device=tiles.device)
+    computes_in = torch.float32 if weight is None else linear_dtype(weight)
+    # The matmul's own output where it is not float32: rounded as the head rounds it, then widened.
+    low = None if computes_in == torch.float32 else torch.empty(size, dtype=computes_in, device=tiles.device)
+    inputs = hidden if weight is None else hidden.to(computes_in)
     for first in range(0, vocab, columns):
         part = slice(first, first + columns)
         shape = (hidden.shape[0], min(columns, vocab - first))
@@ -170,14 +172,24 @@ def vocabulary_tiles(hidden: torch.Tensor, weight: torch.Tensor | None, bias, ca
             logits.copy_(hidden[:, part])
         else:
             out = logits if low is None else low[: shape[0] * shape[1]].view(shape)
+            transposed = weight[part].to(computes_in).t()
             with torch.no_grad():  # a readout, never differentiated (``out=`` takes no gradient)
                 if bias is None:
-                    torch.mm(hidden, weight[part].t(), out=out)
+                    torch.mm(inputs, transposed, out=out)
                 else:
-                    torch.addmm(bias[part], hidden, weight[part].t(), out=out)
+                    torch.addmm(bias[part].to(computes_in), inputs, transposed, out=out)
             if low is not None:
                 logits.copy_(out)
         yield first, softcap_(logits, cap)
+
+
+def linear_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` with ``weight`` computes in here: autocast's where it is on for the weight's device (as
+    under ``precision.computing_in`` below the weights' dtype), else the weight's. ``out=`` calls are not autocast."""
+    device = weight.device.type
+    if weight.dtype != torch.float64 and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 def softcap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
