@@ -293,8 +293,9 @@ def _fresh_log_sum_exp(logits: torch.Tensor, top: torch.Tensor | None = None) ->
 
 def _target_logits(hidden, weight, bias, cap, targets: torch.Tensor) -> torch.Tensor:
     """Each row's logit of its target token, rounded as the head's matmul rounds its output."""
-    logits = (hidden.float() * weight[targets].float()).sum(-1)
+    computes_in = linear_dtype(weight)  # the matmul's inputs and output are rounded to it (autocast's, under it)
+    logits = (hidden.to(computes_in).float() * weight[targets].to(computes_in).float()).sum(-1)
     if bias is not None:
-        logits += bias[targets].float()
-    logits = logits.to(weight.dtype).float()
+        logits += bias[targets].to(computes_in).float()
+    logits = logits.to(computes_in).float()
     return softcap_(logits, cap)
