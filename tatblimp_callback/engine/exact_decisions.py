@@ -66,7 +66,7 @@ def decide_exactly(scorer, logprobs: torch.Tensor, sequences: Sequence[int] | No
         return None
     start = time.perf_counter()
     device = scorer.cache.device
-    with scoring_mode(scorer.model), computing_in(scorer.lm, scorer.precision, device, weights=scorer._compute_dtype):
+    with scoring_mode(scorer.model), computing_in(scorer.lm, scorer.precision, device, weights=scorer.compute_dtype):
         errors = scorer.check.measured_rounding()
     bound = rounding_bound(errors)
     if bound is None:
@@ -86,7 +86,7 @@ def decide_exactly(scorer, logprobs: torch.Tensor, sequences: Sequence[int] | No
         rescore = sorted(s for p in pairs for s in (2 * p, 2 * p + 1))
         # The method in use; a tiled head reads its weight itself: upcast whole for the pass (one matrix).
         head = scorer.lm.get_output_embeddings() if scorer.method.head == "tiled" else None
-        with scoring_mode(scorer.model), computing_in(scorer.lm, torch.float32, device, head=head, weights=scorer._compute_dtype):
+        with scoring_mode(scorer.model), computing_in(scorer.lm, torch.float32, device, head=head, weights=scorer.compute_dtype):
             decided[rescore] = scorer.check.readout(scorer.method, rescore).double().cpu()
     record = {
         "precision": precision_name(scorer.precision),

@@ -144,7 +144,8 @@ class Scorer(BatchForward):
         check_weights_and_vocabulary(self.lm, cache)  # before any forward: a meta model's cache cannot even be measured
         self.precision = scoring_precision(model, self.lm, precision, cache.device)
         self._built_dtype = weights_dtype(self.lm)
-        self._compute_dtype = compute_dtype(self.lm)  # FSDP's mixed precision, else the weights': one module walk
+        # What the layers compute in without autocast (FSDP's mixed precision, else the weights'): one module walk.
+        self.compute_dtype = compute_dtype(self.lm)
         self.context = getattr(self.lm.config, "max_position_embeddings", None)
         self.keep_token_logprobs = keep_token_logprobs
         self._options = {  # what ``_bind`` makes a cache's budgets, cells and plans with
@@ -268,7 +269,7 @@ class Scorer(BatchForward):
         """
         try:
             # Autocast, or the weights upcast; a new weights' dtype makes a new scorer (``serves``).
-            in_precision = computing_in(self.lm, self.precision, self.cache.device, weights=self._compute_dtype)
+            in_precision = computing_in(self.lm, self.precision, self.cache.device, weights=self.compute_dtype)
             with scoring_mode(self.model), in_precision, distributed.shared_failures():
                 return retry_out_of_memory(
                     lambda: self._attempt(sequences), self.memory_budget, self.cache.device, self._set_budget
