@@ -151,10 +151,10 @@ def vocabulary_tiles(hidden: torch.Tensor, weight: torch.Tensor | None, bias, ca
     already: pass ``cap`` None), copied tile by tile.
 
     Every tile is written into the same memory, which the caller may change in place and must be done with before it
-    asks for the next tile. A fresh tile each time lands at new addresses, which the system zeroes and the cache has
-    never held: on the CPU, multiple-choice calls whose time is mostly the head's took 1.4 to 1.6 times as long
-    (``CHANGELOG``).
-    The matmul is ``F.linear``'s own (``mm``, or ``addmm`` with a bias), into that memory.
+    asks for the next tile, by ``F.linear``'s own matmul (``mm``, or ``addmm`` with a bias) in the dtype it would
+    compute in (``linear_dtype``). A fresh tile each time lands at new addresses, which the system zeroes and the
+    cache has never held: on the CPU, multiple-choice calls whose time is mostly the head's took 1.4 to 1.6 times as
+    long (``CHANGELOG``).
 
     The one loop over the vocabulary of every tiled readout (log-probs, greedy flags), and its one softcap.
     """
