@@ -126,7 +126,7 @@ def test_layouts_ruled_out_by_position_blind_weights_are_tried_again_once_the_we
     assert_within_rounding(scores, one_at_a_time(model, cache), torch.float32)
 
 
-def test_recheck_schedule_after_the_weights_move_then_every_tenth_evaluation(bpe_tokenizer):
+def test_recheck_schedule_after_the_weights_move_then_every_tenth_evaluation_never_on_frozen_weights(bpe_tokenizer):
     model = llama(len(bpe_tokenizer))
     reads = []
 
@@ -136,25 +136,35 @@ def test_recheck_schedule_after_the_weights_move_then_every_tenth_evaluation(bpe
 
     schedule = RecheckSchedule()
     schedule.checked(fingerprint)
+    # The weights it was checked on, bit for bit: a check would find what the last one found.
+    assert not any(schedule.due(fingerprint) for _ in range(3 * RECHECK_EVERY))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1 + MOVED / 2)  # not yet appreciable, but no longer the weights it was checked on
+    assert schedule.due(fingerprint)  # more than 10 evaluations since the check
+    schedule.checked(fingerprint)
     assert not any(schedule.due(fingerprint) for _ in range(RECHECK_EVERY - 1))
-    assert schedule.due(fingerprint)  # the 10th evaluation since the check
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1 + MOVED / 2)
+    assert schedule.due(fingerprint)  # the 10th evaluation since the check, on weights that moved a little
     schedule.checked(fingerprint)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.mul_(1 + MOVED / 2)  # not yet appreciable
+            parameter.mul_(1 + MOVED / 2)
     assert not schedule.due(fingerprint)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1 + 2 * MOVED)
     assert schedule.due(fingerprint)  # moved by more than 1%: checked at once
-    assert len(reads) == RECHECK_EVERY + 3  # while the first move was awaited: one read a call
+    assert len(reads) == 3 * RECHECK_EVERY + RECHECK_EVERY + 6  # while the first move was awaited: one read a call
     schedule.checked(fingerprint)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1 + 2 * MOVED)
     assert not any(schedule.due(fingerprint) for _ in range(RECHECK_EVERY - 1))  # after that, every 10th only
     assert schedule.due(fingerprint)
-    assert len(reads) == RECHECK_EVERY + 3  # and the weights are not read again
+    assert len(reads) == 3 * RECHECK_EVERY + RECHECK_EVERY + 6  # and the weights are not read again
 
 
 def test_once_the_weights_have_moved_an_evaluation_reads_no_fingerprint(bpe_tokenizer, cache, monkeypatch):
@@ -183,3 +193,27 @@ def test_once_the_weights_have_moved_an_evaluation_reads_no_fingerprint(bpe_toke
         scorer.score()
     assert len(reads) == 3
     assert scorer.check.recheck.since_check == 2  # the tenth evaluation after the move was checked again
+
+
+def test_frozen_weights_are_not_checked_again_however_many_calls(bpe_tokenizer, monkeypatch):
+    """The harness model's calls to ``lm_eval`` score a model whose weights never move: the method is checked once,
+    at the first call, not at every tenth (each check is a plain forward of the whole sample, one sequence a row)."""
+    from tatblimp_callback.engine import method_check
+    from tatblimp_callback.harness.fused import RequestScorer
+
+    checks = []
+    original = method_check.MethodCheck._reference
+    monkeypatch.setattr(method_check.MethodCheck, "_reference", lambda self: checks.append(1) or original(self))
+    model = llama(len(bpe_tokenizer))
+    scorer = RequestScorer(model)
+    questions = [bpe_tokenizer.encode(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()[:6]]
+    requests = [(context, context[:k]) for context in questions for k in (1, 2)]
+    first = scorer.score(requests, 0, 256)
+    for _ in range(2 * RECHECK_EVERY + 1):
+        assert scorer.score(requests, 0, 256) == first
+    assert len(checks) == 1
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1 + 2 * MOVED)
+    scorer.score(requests, 0, 256)
+    assert len(checks) == 2  # moved: checked at once

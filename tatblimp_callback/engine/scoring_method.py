@@ -5,7 +5,8 @@ The method is chosen by scoring a sample of sequences with each candidate, faste
 comparing with a plain one-sequence-at-a-time forward of the whole model (``matches``). It is
 checked again at the first evaluation after the weights have moved appreciably (their fingerprint
 by more than ``MOVED``, relative) and then every ``RECHECK_EVERY`` evaluations, because a model that
-misreads positions or masks can look right while its weights are still near their initialisation.
+misreads positions or masks can look right while its weights are still near their initialisation. Until that first
+move, never while the weights have not moved at all since the check (as far as their fingerprint shows).
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def agree(values: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, r
 class RecheckSchedule:
     """When to compare the chosen method with a plain forward again: at the first evaluation whose weights
     moved by more than ``MOVED`` (relative) from those it was checked on, then every ``RECHECK_EVERY`` evaluations.
+    Until that first move, not at all while the weights' fingerprint is still, bit for bit, the one it was checked on
+    (frozen weights: the harness model's calls, a model scored again unchanged): a check would find what the last
+    one found.
 
     The weights' fingerprint is given as a function, called only while the first move is awaited: after it, an
     evaluation costs no read of the weights (on a GPU, no copy to the host) to decide.
@@ -143,12 +147,14 @@ class RecheckSchedule:
     def due(self, fingerprint: Callable[[], torch.Tensor]) -> bool:
         """Whether this evaluation (one call per evaluation) should check the method again."""
         self.since_check += 1
-        if self.since_check >= RECHECK_EVERY:
-            return True
-        if self.waiting_for_change and relative_change(fingerprint(), self.fingerprint) > MOVED:
-            self.waiting_for_change = False
-            return True
-        return False
+        if self.waiting_for_change:
+            change = relative_change(fingerprint(), self.fingerprint)
+            if change > MOVED:
+                self.waiting_for_change = False
+                return True
+            if change == 0:
+                return False
+        return self.since_check >= RECHECK_EVERY
 
 
 def sample_sequences(lengths: list[int], pairs: int) -> list[int]:
