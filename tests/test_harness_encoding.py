@@ -35,9 +35,15 @@ def test_each_distinct_string_is_encoded_once_with_the_harness_encoding(bpe_toke
     monkeypatch.setattr(type(hf), "_loglikelihood_tokens", lambda self, reqs, **kw: encoded.append(reqs) or [])
     hf.loglikelihood(requests, disable_tqdm=True)
     theirs = [(list(context), list(continuation)) for _, context, continuation in encoded[0]]
-    calls = []
-    original = type(bpe_tokenizer).encode
+    calls, batch_calls = [], []
+    original, original_batch = type(bpe_tokenizer).encode, type(bpe_tokenizer).__call__
     monkeypatch.setattr(type(bpe_tokenizer), "encode", lambda self, *a, **kw: calls.append(a) or original(self, *a, **kw))
+    monkeypatch.setattr(
+        type(bpe_tokenizer), "__call__", lambda self, *a, **kw: batch_calls.append(kw) or original_batch(self, *a, **kw)
+    )
     assert ours.encode(requests) == theirs
     assert len(calls) <= 8  # the sample compared with the one-string call; the rest in one batch call
+    # The ids alone: no attention masks nor token type ids built for thousands of strings.
+    batches = [kw for kw in batch_calls if kw.get("return_attention_mask") is False]
+    assert batches and all(kw.get("return_token_type_ids") is False for kw in batches)
     assert not ours._encoded  # nothing kept between calls
