@@ -25,9 +25,13 @@ multiple of it: no exact scorer can be faster than that floor, so ``hf``'s multi
 into the harness's encoding (``TemplateLM.loglikelihood`` before ``_loglikelihood_tokens``), the model's body (its
 ``base_model`` forward), the head (the greedy reader) and the rest: planning, caches and Python per request, the
 host time (also in the process's CPU seconds, ``host_cpu``, which the waits of a loaded machine do not add to), and
-of it the CPU tree mask (``tree_mask``: rows x width x width booleans, the attention's input, which a GPU makes itself).
+of it the CPU tree mask (``tree_mask``: rows x width x width booleans, the attention's input, which a GPU makes itself),
+the requests' token ids read into arrays (``reading``) and the plan (``plan``: rows laid out, batches prepared).
 Best of ``--rounds`` warm calls (after one that chooses the scoring method) as for new requests (the
 harness model's latest plan dropped first), and of as many with the same requests again.
+
+``--calls-in-a-row N`` times N calls of ``--model tatblimp`` on the same ``--mc-questions`` with the weights frozen, as
+``lm_eval`` makes them, and counts the scoring-method checks among them (each a plain forward of the check's sample).
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def mc_requests(corpus: Path, questions: int, context_words: int):
     rng = random.Random(0)
     requests = []
     for q in range(questions):
-        start = q * (context_words + 8)
+        # Past the corpus's end (133K words: 841 questions of 150 words) the passages start over, shifted, not empty.
+        start = q * (context_words + 8) % (len(words) - context_words - 8)
         context = " ".join(words[start : start + context_words])
         endings = [" ".join(words[start + context_words : start + context_words + 8])]
         for _ in range(3):
@@ -172,8 +177,9 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
     otherwise (the best call of ``rounds``, by its host time)."""
     import tatblimp_callback.engine.packing as packing_module
     import tatblimp_callback.engine.scored_spans as spans_module
+    import tatblimp_callback.harness.fused as fused_module
 
-    spent = {"body": 0.0, "head": 0.0, "scoring": 0.0, "tree_mask": 0.0}
+    spent = {"body": 0.0, "head": 0.0, "scoring": 0.0, "tree_mask": 0.0, "reading": 0.0}
     cpu = dict(spent)  # the same in the process's CPU seconds: on a loaded machine, without the waits for a core
 
     def clocked(name, fn):
@@ -199,6 +205,9 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
     if hasattr(packing_module, "interval_mask"):  # the CPU tree mask: part of the host time, the attention's input
         originals.append((packing_module, "interval_mask", packing_module.interval_mask))
         packing_module.interval_mask = clocked("tree_mask", packing_module.interval_mask)
+    if hasattr(fused_module, "request_tokens"):  # the requests' token ids read into arrays
+        originals.append((fused_module, "request_tokens", fused_module.request_tokens))
+        fused_module.request_tokens = clocked("reading", fused_module.request_tokens)
     body.forward = clocked("body", body.forward)
     lm._loglikelihood_tokens = clocked("scoring", lm._loglikelihood_tokens)
     setattr(reader[1], reader[0], clocked("head", getattr(reader[1], reader[0])))
@@ -208,10 +217,12 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
         for k in range(2 * rounds):
             if k % 2 == 0 and hasattr(lm.request_scorer, "_scorer"):
                 lm.request_scorer._scorer = None  # as for requests it has not seen: the plan made again
-            spent.update(body=0.0, head=0.0, scoring=0.0, tree_mask=0.0)
+            spent.update(body=0.0, head=0.0, scoring=0.0, tree_mask=0.0, reading=0.0)
             cpu.update(spent)
             _, seconds, _ = timed(lambda: lm.loglikelihood(requests, disable_tqdm=True), device)
             host = spent["scoring"] - spent["body"] - spent["head"]
+            # The plan (rows laid out, batches prepared): what the call's scorer timed, where it times it.
+            plan = getattr(getattr(lm.request_scorer, "_scorer", None), "setup_seconds", {}).get("plan")
             calls.append(
                 {
                     "same_requests_again": k % 2 == 1,
@@ -222,6 +233,8 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
                     "host": host,
                     "host_cpu": cpu["scoring"] - cpu["body"] - cpu["head"],
                     "tree_mask": spent["tree_mask"],
+                    "reading": spent["reading"],
+                    "plan": plan,
                 }
             )
     finally:
@@ -249,6 +262,35 @@ def host_profile(lm, requests, rounds: int, device) -> dict:
     }
 
 
+def calls_in_a_row(lm, requests, calls: int, device) -> dict:
+    """``calls`` warm ``loglikelihood`` calls on the same requests with the weights frozen (as ``lm_eval`` calls the
+    harness model): seconds in all after the first, and the method checks among them (each a plain forward of the
+    check's sample, one sequence a row; counted where ``MethodCheck`` computes that reference)."""
+    from tatblimp_callback.engine.method_check import MethodCheck
+
+    checks = []
+    reference = MethodCheck._reference
+
+    def counted(check):
+        start = time.perf_counter()
+        out = reference(check)
+        checks.append(time.perf_counter() - start)
+        return out
+
+    MethodCheck._reference = counted
+    try:
+        seconds = [timed(lambda: lm.loglikelihood(requests, disable_tqdm=True), device)[1] for _ in range(calls)]
+    finally:
+        MethodCheck._reference = reference
+    return {
+        "calls": calls,
+        "seconds_after_the_first": sum(seconds[1:]),
+        "method_checks": len(checks),
+        "method_check_seconds": sum(checks),
+        "seconds": seconds,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5m")
@@ -263,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (on a loaded machine 1 keeps small ops from waiting)")
     parser.add_argument("--host-profile", help="request counts (e.g. 400,4000): profile tatblimp's calls only (see above)")
+    parser.add_argument(
+        "--calls-in-a-row", type=int, help="time N calls of tatblimp on the same multiple-choice requests, frozen weights"
+    )
     parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
     parser.add_argument("--corpus", type=Path, default=SHARED / "tatar-corpus" / "train.txt", help="the multiple-choice text")
     args = parser.parse_args(argv)
@@ -303,6 +348,13 @@ def main(argv: list[str] | None = None) -> dict:
                 f"without the tree mask {profile['host_without_tree_mask_per_1000_requests']:.3f} s)"
             )
         args.tasks = ""
+    if args.calls_in_a_row:
+        requests = mc_requests(args.corpus, args.mc_questions, args.mc_context_words)
+        calls = report["calls_in_a_row"] = calls_in_a_row(models["tatblimp"], requests, args.calls_in_a_row, device)
+        log(
+            f"{calls['calls']} calls of {len(requests):,} multiple-choice requests: {calls['seconds_after_the_first']:.2f} s "
+            f"after the first; {calls['method_checks']} method checks ({calls['method_check_seconds']:.2f} s)"
+        )
     tasks = args.tasks.split(",")
     if "blimp" in tasks:
         requests = blimp_requests(SHARED / "blimp" / "data", args.blimp_per_file)
