@@ -35,6 +35,9 @@ def test_each_distinct_string_is_encoded_once_with_the_harness_encoding(bpe_toke
     monkeypatch.setattr(type(hf), "_loglikelihood_tokens", lambda self, reqs, **kw: encoded.append(reqs) or [])
     hf.loglikelihood(requests, disable_tqdm=True)
     theirs = [(list(context), list(continuation)) for _, context, continuation in encoded[0]]
+    reads = []  # of the prefix token id through the tokenizer: the harness asks twice per empty-context request
+    prefix = HFLM.prefix_token_id
+    monkeypatch.setattr(HFLM, "prefix_token_id", property(lambda self: reads.append(1) or prefix.fget(self)))
     calls, batch_calls = [], []
     original, original_batch = type(bpe_tokenizer).encode, type(bpe_tokenizer).__call__
     monkeypatch.setattr(type(bpe_tokenizer), "encode", lambda self, *a, **kw: calls.append(a) or original(self, *a, **kw))
@@ -47,3 +50,4 @@ def test_each_distinct_string_is_encoded_once_with_the_harness_encoding(bpe_toke
     batches = [kw for kw in batch_calls if kw.get("return_attention_mask") is False]
     assert batches and all(kw.get("return_token_type_ids") is False for kw in batches)
     assert not ours._encoded  # nothing kept between calls
+    assert len(reads) == 1 and ours._prefix is None  # read once for the call (30 requests here have empty contexts)
