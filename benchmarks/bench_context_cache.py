@@ -43,9 +43,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_lm_eval_model import SHAPES, SHARED, load_converted_tokenizer, make_model, mc_requests  # noqa: E402
-from bench_scoring import machine_info  # noqa: E402
+from bench_scoring import machine_info, synchronize  # noqa: E402
 
 from tatblimp_callback.engine.greedy_head import greedy_logprobs  # noqa: E402
+from tatblimp_callback.engine.model_checks import input_device  # noqa: E402
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -94,13 +95,20 @@ def two_phase(model, requests, pad_id: int, batch_positions: int, memory_budget:
     body's and the head's seconds, the cache copies' and the largest batch's KV bytes. The requests' contexts are
     shared lists where they share a context, as the harness model hands them; none is cut."""
 
+    body, count = model.get_decoder(), len(requests)
+    device = input_device(model)
+
+    def on(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
     def clocked(name, fn, *args, **kwargs):
+        synchronize(device)
         start = time.perf_counter()
         out = fn(*args, **kwargs)
+        synchronize(device)
         spent[name] += time.perf_counter() - start
         return out
 
-    body, count = model.get_decoder(), len(requests)
     # transformers 5.25 renamed the argument; earlier 5.x releases (the GPU machine's 5.17) know the old name only
     cache_argument = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
     contexts, continuations = [r[1] for r in requests], [r[2] for r in requests]
@@ -128,9 +136,9 @@ def two_phase(model, requests, pad_id: int, batch_positions: int, memory_budget:
         real = np.arange(width) < context_length[questions, None]
         ids = np.full((rows, width), pad_id, dtype=np.int64)
         ids[real] = context_tokens[(context_start[questions, None] + np.arange(width))[real]]
-        out = clocked("body", body, input_ids=torch.from_numpy(ids), use_cache=True)
+        out = clocked("body", body, input_ids=on(ids), use_cache=True)
         hidden, cache = out.last_hidden_state.flatten(0, 1), out.past_key_values
-        read = [hidden[torch.from_numpy(np.arange(rows) * width + context_length[questions] - 1)]]
+        read = [hidden[on(np.arange(rows) * width + context_length[questions] - 1)]]
         # the batch's requests, question by question; each one's tokens but its last are the second phase's inputs
         owner = np.repeat(np.arange(rows), choices[questions])
         batch = by_question[_ranges(choice_start[questions], choices[questions])]
@@ -140,20 +148,20 @@ def two_phase(model, requests, pad_id: int, batch_positions: int, memory_budget:
                 inputs, tokens[_ranges(token_start[batch], inputs)], context_length[questions], real, owner
             )
             if copies is not None:
-                clocked("kv_copy", cache.batch_select_indices, torch.from_numpy(copies))
+                clocked("kv_copy", cache.batch_select_indices, on(copies))
             out = clocked(
                 "body",
                 body,
-                input_ids=torch.from_numpy(ids),
-                position_ids=torch.from_numpy(positions),
-                attention_mask=torch.from_numpy(mask),
+                input_ids=on(ids),
+                position_ids=on(positions),
+                attention_mask=on(mask),
                 use_cache=True,
                 **{cache_argument: cache},
             )
             spent["kv_bytes"] = max(
                 spent["kv_bytes"], sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
             )
-            read.append(out.last_hidden_state.flatten(0, 1)[torch.from_numpy(reads)])
+            read.append(out.last_hidden_state.flatten(0, 1)[on(reads)])
         # token j of request k: read at its question's last context position (j = 0), else at its input j - 1
         request = np.repeat(np.arange(len(batch)), length[batch])
         j = _ranges(np.zeros(len(batch), dtype=np.int64), length[batch])
@@ -163,13 +171,13 @@ def two_phase(model, requests, pad_id: int, batch_positions: int, memory_budget:
             greedy_logprobs,
             model,
             torch.cat(read),
-            torch.from_numpy(context),
-            torch.from_numpy(tokens[token_start[batch][request] + j]),
+            on(context),
+            on(tokens[token_start[batch][request] + j]),
             "tiled",
             memory_budget,
         )
-        logprob[batch] = np.bincount(request, weights=token_logprob.double().numpy(), minlength=len(batch))
-        greedy[batch] = np.bincount(request, weights=~is_greedy.numpy(), minlength=len(batch)) == 0
+        logprob[batch] = np.bincount(request, weights=token_logprob.double().cpu().numpy(), minlength=len(batch))
+        greedy[batch] = np.bincount(request, weights=~is_greedy.cpu().numpy(), minlength=len(batch)) == 0
         del out, hidden, cache, read
     return list(zip(logprob.tolist(), greedy.tolist()))
 
@@ -179,13 +187,15 @@ def engine_call(lm, encoded, spent: dict):
     forward) and the head timed into ``spent``."""
     import tatblimp_callback.engine.scored_spans as spans_module
 
-    body = lm.model.get_decoder()
+    body, device = lm.model.get_decoder(), input_device(lm.model)
     reader = spans_module.greedy_logprobs
 
     def timed(name, fn):
         def run(*args, **kwargs):
+            synchronize(device)
             start = time.perf_counter()
             out = fn(*args, **kwargs)
+            synchronize(device)
             spent[name] += time.perf_counter() - start
             return out
 
@@ -217,14 +227,16 @@ def measure(lm, model, requests, rounds: int, batch_positions: int, memory_budge
         designs[f"context_cache_{second.__name__}"] = lambda spent, second=second: two_phase(
             model, encoded, lm.prefix_token_id, batch_positions, memory_budget, spent, second
         )
-    calls, answers = {name: [] for name in designs}, {}
+    calls, answers, device = {name: [] for name in designs}, {}, input_device(model)
     with torch.inference_mode():
         lm._loglikelihood_tokens(encoded)  # the scoring method chosen
         for _ in range(rounds + 1):  # the first round warms them
             for name, call in designs.items():
                 spent = {"body": 0.0, "head": 0.0, "kv_copy": 0.0, "kv_bytes": 0}
+                synchronize(device)
                 start = time.perf_counter()
                 answers[name] = call(spent)
+                synchronize(device)
                 total = time.perf_counter() - start
                 calls[name].append({"total": total, "host": total - spent["body"] - spent["head"], **spent})
     report = {"requests": len(requests)}
@@ -241,30 +253,35 @@ def measure(lm, model, requests, rounds: int, batch_positions: int, memory_budge
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="free")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--requests", default="400,4000", help="multiple-choice request counts (four choices a question)")
     parser.add_argument("--context-words", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-positions", type=int, default=1 << 16, help="context positions a first-phase call")
     parser.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes for the head's tiles")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "kypchak_unigram_48k.model")
+    parser.add_argument("--corpus", type=Path, default=SHARED / "tatar-corpus" / "train.txt", help="the multiple-choice text")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     from tatblimp_callback.harness import register
 
     torch.set_num_threads(args.threads)
-    tokenizer = load_converted_tokenizer(SHARED / "tokenizers" / "kypchak_unigram_48k.model")
-    model = make_model(args.shape, len(tokenizer), torch.device("cpu"), torch.float32)
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # as bench_lm_eval_model.py
+    tokenizer = load_converted_tokenizer(args.tokenizer)
+    model = make_model(args.shape, len(tokenizer), device, dtype)
     lm = register()(pretrained=model, tokenizer=tokenizer, max_length=2048)
     config = model.config
     report = {
-        "machine": {**machine_info(torch.device("cpu")), "load_before": list(os.getloadavg())},
+        "machine": {**machine_info(device), "load_before": list(os.getloadavg())},
         "shape": args.shape,
         "batch_positions": args.batch_positions,
         # every layer's key and value at one position: what the cache holds for each context and choice position
-        "kv_bytes_per_position": 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4,
+        "kv_bytes_per_position": 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize,
     }
     for count in map(int, args.requests.split(",")):
-        requests = mc_requests(SHARED / "tatar-corpus" / "train.txt", count // 4, args.context_words)
+        requests = mc_requests(args.corpus, count // 4, args.context_words)
         result = report[f"requests_{count}"] = measure(lm, model, requests, args.rounds, args.batch_positions, args.memory_budget)
         for name, r in result.items():
             if name == "requests":

@@ -47,7 +47,10 @@ vLLM's tensor parallelism:
 
 6. the harness model (issue #52): ``--model tatblimp`` against ``--model hf`` on multiple-choice requests of
    ``--mc-questions`` questions (``bench_lm_eval_model.py``; its text from ``--corpus``), the target at least 3x
-   (``--skip-harness-mc`` skips it).
+   (``--skip-harness-mc`` skips it);
+6b. the same requests scored with each context once and its choices after its KV cache, against the harness model's
+   calls (``bench_context_cache.py``: host, body, head, the KV cache held; ``--skip-context-cache`` skips it): whether
+   that design, which the CPU measured at about half the engine's host time, pays on the GPU.
 
 It prints one JSON object (and writes it to ``--json``). A CPU smoke run of the same code:
 
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--speed-rows", default="eager,graphs,compiled,compiled_graphs", help="1b.: which rows")
     parser.add_argument("--skip-precision", action="store_true", help="no bench_precision.py part (issue #54)")
     parser.add_argument("--skip-harness-mc", action="store_true", help="6.: no --model tatblimp against --model hf")
-    parser.add_argument("--corpus", type=Path, default=SHARED / "tatar-corpus" / "train.txt", help="6.: its text")
+    parser.add_argument("--skip-context-cache", action="store_true", help="6b.: no bench_context_cache.py part")
+    parser.add_argument("--corpus", type=Path, default=SHARED / "tatar-corpus" / "train.txt", help="6., 6b.: its text")
     parser.add_argument("--mc-questions", type=int, default=100, help="6.: questions of four choices")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -295,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_harness_mc:
         report["harness_mc"] = harness_mc(args)
         report["targets"]["harness_mc_at_least_3x_hf"] = report["harness_mc"].get("speedup", 0) >= 3
+        save(report, args.json)
+    if not args.skip_context_cache:
+        report["context_cache"] = context_cache(args)
     report["wall_seconds"] = time.perf_counter() - started
     save(report, args.json)
     print(json.dumps(report, indent=2))
@@ -311,6 +318,20 @@ def harness_mc(args) -> dict:
     options += ["--mc-questions", str(args.mc_questions), "--tokenizer", str(args.tokenizer), "--corpus", str(args.corpus)]
     try:
         return bench_lm_eval_model(options)["mc"]
+    except ImportError as error:
+        return {"error": f"lm-eval could not be imported: {error}"}
+
+
+def context_cache(args) -> dict:
+    """6b.: the harness model's calls against contexts once and their choices after their KV cache
+    (``bench_context_cache.py``) on the same multiple-choice requests: host, body, head, KV held; without lm-eval the
+    error is recorded."""
+    from bench_context_cache import main as bench_context_cache
+
+    options = ["--device", args.device, "--shape", args.model_shape, "--requests", str(4 * args.mc_questions)]
+    options += ["--rounds", "2", "--tokenizer", str(args.tokenizer), "--corpus", str(args.corpus)]
+    try:
+        return bench_context_cache(options)
     except ImportError as error:
         return {"error": f"lm-eval could not be imported: {error}"}
 
