@@ -334,6 +334,8 @@ def context_cache(args) -> dict:
         return bench_context_cache(options)
     except ImportError as error:
         return {"error": f"lm-eval could not be imported: {error}"}
+    except Exception as error:  # a prototype's measure: its failure is recorded, never the whole call's
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def vllm_part(folder: str, tokenizer, benchmark, ours: torch.Tensor, args) -> dict:
