@@ -13,9 +13,11 @@ Importing this module registers the model with the harness (``import tatblimp_ca
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from contextlib import contextmanager
 
+from accelerate.utils import convert_file_size_to_int
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
@@ -30,13 +32,18 @@ class TatBLiMPLM(HFLM):
 
     Args:
         memory_budget: bytes of extra memory per forward call and head tile (default: the engine's,
-            from free device memory); the harness's ``batch_size`` is not used for log-likelihoods.
+            from free device memory), a count or a size such as ``2GB`` or ``500MiB``; the harness's ``batch_size``
+            is not used for log-likelihoods.
         row_length: positions per row (raised to the longest request, and to the largest question of those at most
             twice as long: a question's choices share one row).
         release_memory: on a CPU, hand the memory each call freed back to the system after it (glibc's
             ``malloc_trim``). Off by default: the harness's calls follow each other and reuse that memory (trimming
             it and touching it again cost 4-9 ms a call); on inside a training run (``in_training``).
         **kwargs: ``HFLM``'s arguments (``pretrained=`` a path, a Hub id or a loaded model, ...).
+
+    Raises:
+        ValueError: one of these three that is not what it says (they come from ``--model_args`` as lm_eval parses
+            them), naming it and its value, before the model is loaded.
     """
 
     def __init__(
@@ -46,16 +53,16 @@ class TatBLiMPLM(HFLM):
         release_memory: bool | str = False,
         **kwargs,
     ):
+        options = {
+            "memory_budget": _bytes(memory_budget),
+            "row_length": _positive_count("row_length", row_length),
+            "release_memory": _flag("release_memory", release_memory),
+        }
         super().__init__(**kwargs)
         if self.backend != "causal":
             raise ValueError(f"--model tatblimp scores causal LMs; {kwargs.get('pretrained')!r} loaded as {self.backend}")
-        self.request_scorer = RequestScorer(
-            self.model,
-            memory_budget=int(memory_budget) if memory_budget else None,
-            row_length=int(row_length),
-            each_process_its_own=self.world_size > 1,  # the harness deals the requests out by rank
-            release_memory=str(release_memory).lower() in ("true", "1", "yes"),  # model_args come as strings
-        )
+        # the harness deals the requests out by rank
+        self.request_scorer = RequestScorer(self.model, each_process_its_own=self.world_size > 1, **options)
         self._encoding_only = False
         self._encoded: dict[tuple[str, bool | None], list[int]] | None = None  # within a call: each string's tokens
         self._prefix: int | None = None  # within a call: the prefix token id
@@ -172,3 +179,35 @@ class TatBLiMPLM(HFLM):
         for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
+
+
+def _bytes(value) -> int | None:
+    """``memory_budget`` as lm_eval parses ``--model_args`` (an int, a float such as 1e9, a string such as 2GB or
+    500MiB; None or absent: the default) in bytes."""
+    if value is None or value == "":
+        return None
+    size = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value):
+        size = int(value)
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            size = int(value) if value.strip().isdigit() else convert_file_size_to_int(value)
+    if size is None or size <= 0:
+        raise ValueError(f"--model tatblimp: memory_budget={value!r} is not a size in bytes, such as 2000000000, 2GB or 500MiB")
+    return size
+
+
+def _positive_count(name: str, value) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"--model tatblimp: {name}={value!r} is not a positive whole number")
+    return value
+
+
+def _flag(name: str, value) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    flag = value if isinstance(value, bool) else words.get(str(value).strip().lower())
+    if flag is None:
+        raise ValueError(f"--model tatblimp: {name}={value!r} is not true or false")
+    return flag
