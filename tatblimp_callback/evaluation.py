@@ -14,6 +14,7 @@ import torch
 from .engine import distributed
 from .engine.exact_decisions import decide_exactly
 from .engine.kept_scorer import scorer_for
+from .engine.memory_budget import check_sizes
 from .engine.model_checks import weights_label
 from .engine.precision import check_precision, precision_name
 from .engine.scored_spans import Spans
@@ -127,6 +128,7 @@ class Evaluator:
             raise ValueError(f"{'suites' if suites else 'spans'}= needs a tokenizer, not a prebuilt cache")
         if spans and backend != "transformers":
             raise ValueError("spans= are scored by the transformers backend only")
+        check_sizes(memory_budget, row_length)
         self.tokenizer = tokenizer
         self.data = data
         self.cache = cache

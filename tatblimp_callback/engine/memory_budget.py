@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import numbers
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -21,6 +22,17 @@ MIN_MEMORY_BUDGET = 16 * 2**20
 FULL_LOGITS_DIVISOR = 10
 
 T = TypeVar("T")
+
+
+def check_sizes(memory_budget, row_length) -> None:
+    """``memory_budget`` (bytes) and ``row_length`` (positions a row): each None (the default) or a positive whole number.
+
+    Raises:
+        ValueError: anything else, naming the option.
+    """
+    for name, value, unit in (("memory_budget", memory_budget, "bytes"), ("row_length", row_length, "positions")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+            raise ValueError(f"{name} must be a positive whole number of {unit}, or None for the default; got {value!r}")
 
 
 def default_memory_budget(device: torch.device, full_logits_bytes: int | None = None) -> int:

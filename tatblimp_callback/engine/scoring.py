@@ -33,6 +33,7 @@ from .compiled_forward import CompiledForward
 from .cuda_graphs import CudaGraphs
 from .head_choice import HeadChoice, HeadMethod
 from .memory_budget import (
+    check_sizes,
     default_memory_budget,
     one_call_budget,
     positions_per_forward,
@@ -102,7 +103,8 @@ class Scorer(BatchForward):
     Raises:
         ScoringError: the model has weights on the meta device, its embedding is smaller than the tokenizer's
             ids, or a sequence is longer than its context (without ``truncate``).
-        ValueError: an unknown ``precision``, or one the device cannot compute in.
+        ValueError: an unknown ``precision``, or one the device cannot compute in; a ``memory_budget`` or
+            ``row_length`` that is not a positive whole number.
 
     Example:
         The engine under ``Evaluator``, for per-sentence log-probs:
@@ -130,6 +132,7 @@ class Scorer(BatchForward):
         sequences: TokenSequences | None = None,
         release_memory: bool = True,
     ):
+        check_sizes(memory_budget, row_length)
         self.model = model
         self.release_memory = release_memory
         self.lm = unwrap_model(model)

@@ -10,6 +10,7 @@ import numbers
 import os
 from pathlib import Path
 
+from ..engine.memory_budget import check_sizes
 from ..engine.precision import check_precision
 from .suite_schedule import check_suite_options
 
@@ -23,6 +24,7 @@ def check_options(options) -> int | None:
     every = check_eval_steps(options.eval_steps)
     check_alert_evaluations(options.alert_evaluations)
     check_speed_options(options.cuda_graphs, options.compile)
+    check_sizes(options.memory_budget, options.row_length)
     check_precision(options.precision)
     if options.protocol not in ("logprob", "forced-choice", "both"):
         raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {options.protocol!r}")

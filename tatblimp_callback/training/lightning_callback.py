@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from ..engine.memory_budget import check_sizes
 from ..engine.model_checks import unwrap_model
 from ..engine.precision import check_precision, mixed_precision_dtype
 from ..reading.data import Benchmark
@@ -189,6 +190,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
         callback_options.check_alert_evaluations(self.alert_evaluations)
         callback_options.check_speed_options(self.cuda_graphs, self.compile)
+        check_sizes(self.memory_budget, self.row_length)
         check_precision(self.precision)
         self._monitor = InLoopMonitor(self)
         self._restored: list[dict[str, Any]] | None = None
