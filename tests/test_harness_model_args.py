@@ -21,6 +21,7 @@ from tatblimp_callback.harness import register  # noqa: E402
         ("memory_budget=-5", "memory_budget=-5 is not a size in bytes"),
         ("memory_budget=0", "memory_budget=0 is not a size in bytes"),
         ("memory_budget=1.5", "memory_budget=1.5 is not a size in bytes"),
+        ("memory_budget=inf", "memory_budget=inf is not a size in bytes"),
         ("row_length=0", "row_length=0 is not a positive whole number"),
         ("row_length=wide", "row_length='wide' is not a positive whole number"),
         ("release_memory=maybe", "release_memory='maybe' is not true or false"),

@@ -61,8 +61,8 @@ class TatBLiMPLM(HFLM):
         super().__init__(**kwargs)
         if self.backend != "causal":
             raise ValueError(f"--model tatblimp scores causal LMs; {kwargs.get('pretrained')!r} loaded as {self.backend}")
-        # the harness deals the requests out by rank
-        self.request_scorer = RequestScorer(self.model, each_process_its_own=self.world_size > 1, **options)
+        each_process_its_own = self.world_size > 1  # the harness deals the requests out by rank
+        self.request_scorer = RequestScorer(self.model, each_process_its_own=each_process_its_own, **options)
         self._encoding_only = False
         self._encoded: dict[tuple[str, bool | None], list[int]] | None = None  # within a call: each string's tokens
         self._prefix: int | None = None  # within a call: the prefix token id
@@ -187,7 +187,7 @@ def _bytes(value) -> int | None:
     if value is None or value == "":
         return None
     size = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value):
+    if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer()):
         size = int(value)
     elif isinstance(value, str):
         with contextlib.suppress(ValueError):
