@@ -57,7 +57,14 @@ from .model_state import scoring_mode
 from .packing import Layout, TokenSequences, build_layout
 from .precision import compute_dtype, computing_in, float32_truth, scoring_precision, weights_dtype
 from .scored_spans import SpanReader, question_rows
-from .scoring_method import ScoringMethod, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
+from .scoring_method import (
+    ScoringMethod,
+    forced_method,
+    layouts_to_try,
+    reference_readout,
+    relative_tolerance,
+    sample_sequences,
+)
 from .scoring_pass import score_cells
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
@@ -160,8 +167,7 @@ class Scorer(BatchForward):
             "compile": compile,
         }
         self._bind(cache, sequences)
-        if isinstance(method, str):
-            method = ScoringMethod(method, "tiled" if self._head_weight() is not None else "full_logits")
+        method = forced_method(self.lm, method, "tiled" if self._head_weight() is not None else "full_logits")
         # Pairs of sentences only: spans (harness requests, last) are no pairs, and their cells are their continuations'.
         sample = sample_sequences(self.cache.lengths[: self.cache.num_sentences - len(self.cache.span_tokens)], SAMPLE_PAIRS)
         self.check = MethodCheck(

@@ -53,6 +53,27 @@ class ScoringMethod:
         return f"{self.layout} rows, {'tiled head' if self.head == 'tiled' else 'full logits'}"
 
 
+def forced_method(lm: torch.nn.Module, method, head: str) -> ScoringMethod | None:
+    """``method`` as given to a scorer: None (chosen by the check), a ``ScoringMethod``, or a layout's name with ``head``.
+
+    Raises:
+        ValueError: a method of another type, an unknown layout, or one the model declared it cannot take (a
+            ``CallableLM``'s ``layouts``): its rows would be scored wrong, with nothing to say so.
+    """
+    if method is None:
+        return None
+    if isinstance(method, str):
+        if method not in LAYOUTS:
+            raise ValueError(f"unknown scoring method {method!r}: one of {LAYOUTS} (or a ScoringMethod)")
+        method = ScoringMethod(method, head)
+    if not isinstance(method, ScoringMethod):
+        raise ValueError(f"method must be a layout name {LAYOUTS}, a ScoringMethod or None, got {method!r}")
+    declared = getattr(lm, "supported_layouts", None)
+    if declared is not None and method.layout not in declared:
+        raise ValueError(f"method {method.layout!r}: the model declares the layouts {declared} only (CallableLM layouts=)")
+    return method
+
+
 def layouts_to_try(lm: torch.nn.Module) -> list[str]:
     """Row layouts, fastest first; prefix trees need an attention that takes a 4D mask."""
     layouts = list(LAYOUTS) if tree_mask_dtype(lm) else ["packed", "padded"]
