@@ -22,11 +22,13 @@ from .engine.scoring import Scorer, ScoringMethod, unwrap_model
 from .engine.vllm_scoring import BACKENDS, VllmOptions, VllmScorer, engine_tokenizer, is_vllm_engine
 from .engine.word_surprisal import add_region_surprisal
 from .reading.data import Benchmark
-from .reading.suites import Suite, load_suite
+from .reading.option_types import check_flags
+from .reading.suites import Suite, check_suites, load_suite
 from .results.metrics import Results, compute_results
 from .results.provenance import provenance
 from .results.token_results import pair_tokens
 from .tokenized.cache import SentenceCache, build_cache, concat_caches
+from .tokenized.tokenization import check_prefix_token_id, check_tokenizer
 
 
 class Evaluator:
@@ -94,8 +96,10 @@ class Evaluator:
             them by that (``engine/exact_decisions.py``; ``run_info["exact_decisions"]``, ``pairs[i].rescored``).
 
     Raises:
-        ValueError: neither ``tokenizer`` nor ``cache`` is given, ``spans`` with a prebuilt cache or vLLM, or an
-            unknown ``precision``.
+        ValueError: neither ``tokenizer`` nor ``cache`` is given, ``spans`` with a prebuilt cache or vLLM, an
+            unknown ``precision``, or an option of the wrong kind (``tokenizer`` a path, ``suites`` not
+            ``{name: path or Suite}``, a flag that is not True or False, a size or ``prefix_token_id`` that is not a
+            whole number), named with its value.
     """
 
     def __init__(
@@ -129,6 +133,17 @@ class Evaluator:
         if spans and backend != "transformers":
             raise ValueError("spans= are scored by the transformers backend only")
         check_sizes(memory_budget, row_length)
+        check_tokenizer(tokenizer)
+        check_prefix_token_id(prefix_token_id)
+        check_suites(suites)
+        check_flags(
+            allow_modified=allow_modified,
+            truncate=truncate,
+            cuda_graphs=cuda_graphs,
+            compile=compile,
+            include_tokens=include_tokens,
+            exact_decisions=exact_decisions,
+        )
         self.tokenizer = tokenizer
         self.data = data
         self.cache = cache
@@ -243,6 +258,8 @@ class Evaluator:
                 results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
                 self._region_surprisal(results.pair_tokens, model, scorer.cache)
             return results
+        if isinstance(suites, str):
+            raise ValueError(f"suites= takes a list of suite names, got the string {suites!r}: suites=[{suites!r}]")
         wanted = list(self.suites) if suites is None else list(suites)
         unknown = sorted(set(wanted) - set(self.suites))
         if unknown:

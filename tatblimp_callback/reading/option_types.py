@@ -1,4 +1,4 @@
-"""argparse ``type=`` functions for the commands' numeric options.
+"""argparse ``type=`` functions for the commands' numeric options, and the check of the Python API's flags.
 
 A value out of range is refused by the parser, as a value that is no number is: status 2, the subcommand's usage
 and ``argument --limit: must be a whole number of at least 1, got 0``, before anything is imported or loaded.
@@ -68,3 +68,14 @@ def accuracy(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
     return value
+
+
+def check_flags(**flags) -> None:
+    """Options of the Python API that are True or False: a string such as ``"no"`` would read as True.
+
+    Raises:
+        ValueError: the first that is not a bool, named with its value.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")

@@ -29,6 +29,7 @@ import hashlib
 import io
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,24 @@ def parse_suite_option(text: str) -> tuple[str, str]:
     if "/" in name or name in ("tatblimp",):
         raise ValueError(f"--suite {text!r}: the name {name!r} cannot be a suite name (no '/', not 'tatblimp')")
     return name, path
+
+
+def check_suites(suites) -> None:
+    """``suites=`` as the Python API takes it: None, or ``{name: a path or a Suite}`` with names that are non-empty
+    strings (a list of names or a folder's path is the usual slip).
+
+    Raises:
+        ValueError: naming what was given.
+    """
+    if suites is None:
+        return
+    if not isinstance(suites, Mapping):
+        raise ValueError(f"suites= must be {{name: path or Suite}}, e.g. {{'blimp': 'blimp/data'}}; got {suites!r}")
+    for name, source in suites.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"suite names must be non-empty strings, got {name!r}")
+        if not isinstance(source, (Suite, str, os.PathLike)):
+            raise ValueError(f"suite {name!r}: expected a path or a Suite, got {source!r}")
 
 
 def load_suite(name: str, source: str | os.PathLike, columns: dict[str, str] | None = None) -> Suite:

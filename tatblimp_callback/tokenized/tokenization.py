@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,8 +58,41 @@ def _non_negative(token_id: int) -> int | None:
     return token_id if token_id >= 0 else None
 
 
+def check_tokenizer(tokenizer: Any) -> None:
+    """Raise where ``tokenizer`` is a path or a name rather than a tokenizer: it is loaded by the caller
+    (``tatblimp_callback.load_tokenizer``), never here.
+
+    Raises:
+        TokenizationError: naming what was given.
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        raise TokenizationError(
+            f"tokenizer={str(tokenizer)!r} is a path or a name, not a tokenizer: load it first, with "
+            "tatblimp_callback.load_tokenizer (a folder, a Hub id or a SentencePiece .model file)"
+        )
+
+
+def check_prefix_token_id(prefix_token_id) -> None:
+    """Raise where ``prefix_token_id`` is neither None nor a whole number (``int()`` would have made 2.9 token 2).
+
+    Raises:
+        TokenizationError: naming the value.
+    """
+    if prefix_token_id is not None and (isinstance(prefix_token_id, bool) or not isinstance(prefix_token_id, numbers.Integral)):
+        raise TokenizationError(f"prefix_token_id must be a token id (a whole number) or None, got {prefix_token_id!r}")
+
+
 def resolve_prefix_token_id(tokenizer: Any, prefix_token_id: int | None = None) -> int:
-    """The caller's prefix token if given, else the tokenizer's BOS, else its EOS."""
+    """The caller's prefix token if given (a whole number), else the tokenizer's BOS, else its EOS.
+
+    Raises:
+        TokenizationError: ``tokenizer`` is a path or a name (``check_tokenizer``), ``prefix_token_id`` is not a
+            whole number, or neither it, a BOS nor an EOS token is there.
+    """
+    if tokenizer is None:
+        raise TokenizationError("no tokenizer: pass the tokenizer the model was trained with")
+    check_tokenizer(tokenizer)
+    check_prefix_token_id(prefix_token_id)
     for candidate in (prefix_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id):
         if candidate is not None:
             return int(candidate)

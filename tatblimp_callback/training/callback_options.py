@@ -10,8 +10,11 @@ import numbers
 import os
 from pathlib import Path
 
+from ..engine.head_choice import HeadMethod
 from ..engine.memory_budget import check_sizes
 from ..engine.precision import check_precision
+from ..reading.option_types import check_flags
+from ..tokenized.tokenization import check_prefix_token_id, check_tokenizer
 from .suite_schedule import check_suite_options
 
 
@@ -22,16 +25,34 @@ def check_options(options) -> int | None:
         ValueError: an option's value is invalid, named with what it should be.
     """
     every = check_eval_steps(options.eval_steps)
+    check_shared_options(options)
+    if options.report_file is not None and options.history_file is None:
+        raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
+    return every
+
+
+def check_shared_options(options) -> None:
+    """Check the options both callbacks take (``TatBLiMPCallback``'s and ``TatBLiMPLightningCallback``'s), so that
+    a typo stops the run when the callback is built rather than failing every evaluation of a run that goes on.
+
+    Raises:
+        ValueError: an option's value is invalid, named with what it should be.
+    """
     check_alert_evaluations(options.alert_evaluations)
-    check_speed_options(options.cuda_graphs, options.compile)
+    flags = ("allow_modified", "truncate", "cuda_graphs", "compile", "exact_decisions", "eval_on_start", "eval_on_end")
+    check_flags(**{name: getattr(options, name) for name in (*flags, "raise_on_error")})
     check_sizes(options.memory_budget, options.row_length)
+    check_tokenizer(options.tokenizer)
+    check_prefix_token_id(options.prefix_token_id)
+    if options.head_method is not None:
+        HeadMethod.parse(options.head_method)
     check_precision(options.precision)
     if options.protocol not in ("logprob", "forced-choice", "both"):
         raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {options.protocol!r}")
-    if options.report_file is not None and options.history_file is None:
-        raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
+    threshold = options.acquisition_threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold <= 1:
+        raise ValueError(f"acquisition_threshold must be an acc_norm from 0 to 1, got {threshold!r}")
     check_suite_options(options.suites, options.suite_every, options.log_prefix, options.protocol)
-    return every
 
 
 def check_eval_steps(eval_steps) -> int | None:
@@ -85,17 +106,6 @@ def planned_evaluations(max_steps, every: int, start: bool, end: bool, also_ever
     if end and max_steps % every and not (also_every and max_steps % also_every == 0):
         count += 1
     return count
-
-
-def check_speed_options(cuda_graphs, compile) -> None:
-    """``cuda_graphs`` and ``compile``: True or False (``engine/cuda_graphs.py``, ``engine/compiled_forward.py``).
-
-    Raises:
-        ValueError: anything else, naming the option.
-    """
-    for name, value in (("cuda_graphs", cuda_graphs), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def under_output_dir(path: str | os.PathLike | None, output_dir: str | os.PathLike | None) -> Path | None:

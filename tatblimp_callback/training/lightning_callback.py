@@ -24,16 +24,14 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from ..engine.memory_budget import check_sizes
 from ..engine.model_checks import unwrap_model
-from ..engine.precision import check_precision, mixed_precision_dtype
+from ..engine.precision import mixed_precision_dtype
 from ..reading.data import Benchmark
 from ..results.curves import DEFAULT_THRESHOLD
 from ..results.metrics import Results
 from . import callback_options
 from .in_loop import HISTORY_FILE, InLoopMonitor, MonitoredResults, refuse_shared_history_file
 from .lightning_monitoring import UnscoredChecks, expose, warn_about_monitors
-from .suite_schedule import check_suite_options
 
 logger = logging.getLogger(__name__)
 
@@ -185,13 +183,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         every = self.eval_every_n_steps
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"eval_every_n_steps must be a whole number of at least 1, got {every!r}")
-        if self.protocol not in ("logprob", "forced-choice", "both"):
-            raise ValueError(f"protocol must be 'logprob', 'forced-choice' or 'both', got {self.protocol!r}")
-        check_suite_options(self.suites, self.suite_every, self.log_prefix, self.protocol)
-        callback_options.check_alert_evaluations(self.alert_evaluations)
-        callback_options.check_speed_options(self.cuda_graphs, self.compile)
-        check_sizes(self.memory_budget, self.row_length)
-        check_precision(self.precision)
+        callback_options.check_shared_options(self)
         self._monitor = InLoopMonitor(self)
         self._restored: list[dict[str, Any]] | None = None
         self._checked_step: int | None = None

@@ -6,14 +6,19 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from ..reading.suites import check_suites
 from . import reporting
 
 logger = logging.getLogger(__name__)
 
 
 def check_suite_options(suites: dict[str, Any] | None, suite_every: int | dict[str, int], log_prefix: str, protocol: str) -> None:
-    """``ValueError`` for a ``suite_every`` that is not k >= 1 (or ``{known suite: k >= 1}``), a suite name that
+    """``ValueError`` for ``suites`` that are not ``{name: path or Suite}`` (``check_suites``), a ``log_prefix`` that
+    is not a non-empty string, a ``suite_every`` that is not k >= 1 (or ``{known suite: k >= 1}``), a suite name that
     clashes with the log prefix or holds "/", or suites without the log-prob protocol."""
+    check_suites(suites)
+    if not isinstance(log_prefix, str) or not log_prefix:
+        raise ValueError(f"log_prefix must be a non-empty string (the logged keys' section), got {log_prefix!r}")
     names = set(suites or {})
     every = suite_every if isinstance(suite_every, dict) else {"suite_every": suite_every}
     if any(not isinstance(k, int) or k < 1 for k in every.values()) or set(every) - {"suite_every", *names}:
