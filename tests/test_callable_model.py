@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -145,6 +146,44 @@ def test_what_the_caller_declares_is_checked(bpe_tokenizer, small_data):
         CallableLM(gpt.forward, vocab_size=800, context_length=256, layouts=("flash",))
     with pytest.raises(ValueError, match="hidden_states= with output_embedding="):
         CallableLM(vocab_size=800, context_length=256, hidden_states=gpt.hidden)
+
+
+def test_what_the_callable_returns_and_its_declarations_are_checked(bpe_tokenizer, cache):
+    """A forward that returned ``(logits, loss)`` (nanoGPT's), logits one position short, integer logits or a numpy
+    array failed inside the method check with torch's indexing errors; the declarations failed later, or not at all."""
+    gpt, vocab = NanoGPT(len(bpe_tokenizer)), len(bpe_tokenizer)
+    returned = {  # what came back, as the error says it, given the input's [rows, length]
+        lambda ids, pos: (gpt(ids, pos), None): lambda rows, length: "a tuple of 2 (return the logits alone",
+        lambda ids, pos: gpt(ids, pos)[:, :-1]: lambda rows, length: f"a float32 tensor of shape [{rows}, {length - 1}, {vocab}]",
+        lambda ids, pos: gpt(ids, pos).long(): lambda rows, length: f"a int64 tensor of shape [{rows}, {length}, {vocab}]",
+        lambda ids, pos: gpt(ids, pos).detach().numpy(): lambda rows, length: "a ndarray",
+    }
+    for forward, got in returned.items():
+        lm = CallableLM(forward, vocab_size=vocab, context_length=256, module=gpt)
+        with pytest.raises(ValueError, match=r"^CallableLM: forward must return a float tensor \[rows, length, vocab\]") as error:
+            Evaluator(cache=cache)(lm)
+        rows, length = map(int, re.search(r"for input_ids of shape \[(\d+), (\d+)\]", str(error.value)).groups())
+        assert f"; got {got(rows, length)}" in str(error.value)
+    narrow = CallableLM(
+        hidden_states=lambda ids, pos: gpt.hidden(ids, pos)[..., :16],
+        output_embedding=gpt.lm_head,
+        vocab_size=vocab,
+        context_length=256,
+        module=gpt,
+    )
+    with pytest.raises(ValueError, match=r"hidden_states must return a float tensor \[rows, length, hidden\] = \[\d+, \d+, 32\]"):
+        Evaluator(cache=cache)(narrow)
+    declared = {
+        "vocab_size must be a positive whole number, got None": dict(vocab_size=None),
+        "vocab_size must be a positive whole number, got '800'": dict(vocab_size="800"),
+        "context_length must be a positive whole number, got 0": dict(context_length=0),
+        "layouts= takes names, e.g. ('tree',); got the string 'tree'": dict(layouts="tree"),
+    }
+    for message, options in declared.items():
+        with pytest.raises(ValueError, match=f"^CallableLM: {re.escape(message)}$"):
+            CallableLM(gpt.forward, **{"vocab_size": vocab, "context_length": 256, **options})
+    with pytest.raises(ValueError, match=r"^CallableLM: output_embedding must be the LM head, a torch\.nn\.Linear"):
+        CallableLM(hidden_states=gpt.hidden, output_embedding=gpt.lm_head.weight, vocab_size=vocab, context_length=256)
 
 
 def test_a_forced_method_outside_the_declared_layouts_is_refused(bpe_tokenizer, small_data, cache):

@@ -21,6 +21,7 @@ The callable is called as ``fn(input_ids, position_ids)`` ([rows, length] each, 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -82,8 +83,10 @@ class CallableLM(torch.nn.Module):
         output_embedding: the LM head, a plain ``torch.nn.Linear`` (``logits = output_embedding(hidden)``).
 
     Raises:
-        ValueError: neither ``forward`` nor ``hidden_states`` with ``output_embedding``, an unknown layout,
-            or no module with weights.
+        ValueError: neither ``forward`` nor ``hidden_states`` with ``output_embedding``, a ``vocab_size`` or
+            ``context_length`` that is not a positive whole number, an unknown layout, an ``output_embedding`` that
+            is not a ``torch.nn.Linear``, or no module with weights; and, when it is called, a callable that returns
+            anything but a float tensor [rows, length, vocab] (or [rows, length, hidden]).
 
     Example:
         ```python
@@ -106,6 +109,13 @@ class CallableLM(torch.nn.Module):
         super().__init__()
         if forward is None and (hidden_states is None or output_embedding is None):
             raise ValueError("CallableLM needs forward= (logits), or hidden_states= with output_embedding= (the LM head)")
+        for name, value in (("vocab_size", vocab_size), ("context_length", context_length)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"CallableLM: {name} must be a positive whole number, got {value!r}")
+        if output_embedding is not None and not isinstance(output_embedding, torch.nn.Linear):
+            raise ValueError(f"CallableLM: output_embedding must be the LM head, a torch.nn.Linear; got {output_embedding!r}")
+        if isinstance(layouts, str):
+            raise ValueError(f"CallableLM: layouts= takes names, e.g. ({layouts!r},); got the string {layouts!r}")
         layouts = set(layouts)
         if layouts - {"tree", "packed", "padded"}:
             raise ValueError(f"unknown layouts {sorted(layouts - {'tree', 'packed', 'padded'})}: 'tree', 'packed', 'padded'")
@@ -145,11 +155,30 @@ class CallableLM(torch.nn.Module):
             logits = self.output_embedding(self._call(self._hidden_states, input_ids, position_ids, attention_mask))
         return SimpleNamespace(logits=logits)
 
-    @staticmethod
-    def _call(fn: Forward, input_ids, position_ids, attention_mask) -> torch.Tensor:
+    def _call(self, fn: Forward, input_ids, position_ids, attention_mask) -> torch.Tensor:
         if position_ids is None:  # one sequence a row from position 0: the reference forward
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if attention_mask is not None and attention_mask.dim() == 4:  # prefix-tree rows
-            return fn(input_ids, position_ids, attention_mask=attention_mask)
-        # A [rows, length] mask marks right padding, which a causal attention never sees from a real token.
-        return fn(input_ids, position_ids)
+            out = fn(input_ids, position_ids, attention_mask=attention_mask)
+        else:  # a [rows, length] mask marks right padding, which a causal attention never sees from a real token
+            out = fn(input_ids, position_ids)
+        if fn is self._logits_fn:
+            return _checked(out, "forward", input_ids, self.config.vocab_size, "vocab")
+        return _checked(out, "hidden_states", input_ids, self.output_embedding.in_features, "hidden")
+
+
+def _checked(out, name: str, input_ids: torch.Tensor, last: int, last_name: str) -> torch.Tensor:
+    """``out`` if it is a float tensor [rows, length, ``last``] for ``input_ids`` [rows, length], else a ValueError
+    that says what came back (a nanoGPT forward returns ``(logits, loss)``, say)."""
+    rows, length = input_ids.shape
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and tuple(out.shape) == (rows, length, last):
+        return out
+    if isinstance(out, torch.Tensor):
+        got = f"a {str(out.dtype).removeprefix('torch.')} tensor of shape {list(out.shape)}"
+    else:
+        got = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+    raise ValueError(
+        f"CallableLM: {name} must return a float tensor [rows, length, {last_name}] = [{rows}, {length}, {last}] for "
+        f"input_ids of shape [{rows}, {length}]; got {got}"
+        + (" (return the logits alone, e.g. lambda ids, pos: model(ids)[0])" if isinstance(out, tuple) else "")
+    )
