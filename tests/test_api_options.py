@@ -97,3 +97,18 @@ def test_the_scoring_paths_below_refuse_a_tokenizers_path_and_a_list_of_suites_b
     with pytest.raises(ValueError, match=r"^suites= takes a list of suite names, got the string 'again'"):
         evaluator(model, suites="again")
     assert set(evaluator(model, suites=["again"]).suites) == {"again"}
+
+
+def test_sequence_indices_outside_the_cache_and_data_that_is_no_path_are_named(bpe_tokenizer, small_data):
+    """``score([1000])`` failed with numpy's ``IndexError`` (and ``[-1]`` with one naming an index the caller never
+    gave); data given as a list of records failed in pathlib."""
+    from tatblimp_callback import BenchmarkError, build_cache, evaluate
+
+    cache = build_cache(bpe_tokenizer, small_data, allow_modified=True)
+    scorer = Scorer(tiny_llama(len(bpe_tokenizer)), cache)
+    for sequences in ([0, 1000], [-1]):
+        with pytest.raises(ValueError, match=rf"^score\(sequences=\): \[{sequences[-1]}\] not among the cache's 96 sequences$"):
+            scorer.score(sequences)
+    assert scorer.score([0, 1])[:2].ne(0).all()
+    with pytest.raises(BenchmarkError, match=r"^the benchmark is read from a JSONL file: give its path, not a list$"):
+        evaluate(tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, [{"good": "a", "bad": "b"}], allow_modified=True)

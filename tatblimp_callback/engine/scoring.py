@@ -57,14 +57,7 @@ from .model_state import scoring_mode
 from .packing import Layout, TokenSequences, build_layout
 from .precision import compute_dtype, computing_in, float32_truth, scoring_precision, weights_dtype
 from .scored_spans import SpanReader, question_rows
-from .scoring_method import (
-    ScoringMethod,
-    forced_method,
-    layouts_to_try,
-    reference_readout,
-    relative_tolerance,
-    sample_sequences,
-)
+from .scoring_method import ScoringMethod, forced_method, layouts_to_try, reference_readout, relative_tolerance, sample_sequences
 from .scoring_pass import score_cells
 
 __all__ = ["DEFAULT_ROW_LENGTH", "Scorer", "ScoringError", "ScoringMethod", "unwrap_model"]
@@ -273,9 +266,13 @@ class Scorer(BatchForward):
 
         Raises:
             ScoringError: no scoring method agrees with a plain forward of the model.
+            ValueError: a sequence index that is not one of the cache's.
             torch.OutOfMemoryError: still out of memory at the smallest budget.
             PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
+        outside = [s for s in sequences or () if not 0 <= s < self.cache.num_sentences]
+        if outside:
+            raise ValueError(f"score(sequences=): {outside[:5]} not among the cache's {self.cache.num_sentences} sequences")
         try:
             # Autocast, or the weights upcast; a new weights' dtype makes a new scorer (``serves``).
             in_precision = computing_in(self.lm, self.precision, self.cache.device, weights=self.compute_dtype)

@@ -219,6 +219,8 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
         print(len(benchmark.pairs), benchmark.release)
         ```
     """
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        raise BenchmarkError(f"the benchmark is read from a JSONL file: give its path, not a {type(source).__name__}")
     path = Path(source) if source is not None else _default_path()
     try:
         raw = path.read_bytes()
