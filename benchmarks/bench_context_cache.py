@@ -54,6 +54,20 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
 
 
+def timed(spent: dict, name: str, device: torch.device, fn):
+    """``fn``, its seconds (the device synchronised around it) added to ``spent[name]`` at each call."""
+
+    def run(*args, **kwargs):
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        synchronize(device)
+        spent[name] += time.perf_counter() - start
+        return out
+
+    return run
+
+
 def choice_rows(inputs, tokens, context_length, context_real, owner):
     """The second phase with a row for each choice: its inputs after a copy of its question's cache row, the model's
     own 2D padding mask over the cache's real positions and its own. ``(input_ids, position_ids, attention_mask, the
@@ -102,12 +116,7 @@ def two_phase(model, requests, pad_id: int, batch_positions: int, memory_budget:
         return torch.from_numpy(array).to(device)
 
     def clocked(name, fn, *args, **kwargs):
-        synchronize(device)
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        synchronize(device)
-        spent[name] += time.perf_counter() - start
-        return out
+        return timed(spent, name, device, fn)(*args, **kwargs)
 
     # transformers 5.25 renamed the argument; earlier 5.x releases (the GPU machine's 5.17) know the old name only
     cache_argument = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
@@ -190,19 +199,8 @@ def engine_call(lm, encoded, spent: dict):
     body, device = lm.model.get_decoder(), input_device(lm.model)
     reader = spans_module.greedy_logprobs
 
-    def timed(name, fn):
-        def run(*args, **kwargs):
-            synchronize(device)
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            synchronize(device)
-            spent[name] += time.perf_counter() - start
-            return out
-
-        return run
-
-    body.forward = timed("body", body.forward)
-    spans_module.greedy_logprobs = timed("head", reader)
+    body.forward = timed(spent, "body", device, body.forward)
+    spans_module.greedy_logprobs = timed(spent, "head", device, reader)
     try:
         lm.request_scorer._scorer = None  # as for requests it has not seen: the plan made again
         return lm._loglikelihood_tokens(encoded)
