@@ -72,6 +72,16 @@ def test_bf16_weights_scored_in_float32_are_upcast_for_the_forward_only(bpe_toke
     assert bf16.run_info["precision"] == "bfloat16"
 
 
+def test_bf16_weights_scored_under_a_float16_autocast(bpe_tokenizer, small_data):
+    """``tatblimp score --dtype bfloat16 --precision float16`` stopped with autocast's "Unexpected floating ScalarType
+    in at::autocast::prioritize": the weights' fingerprint joined bf16 samples under the float16 autocast."""
+    model = tiny_llama(len(bpe_tokenizer)).to(torch.bfloat16)
+    results = evaluate(model, bpe_tokenizer, small_data, allow_modified=True, precision="float16")
+    assert (results.run_info["precision"], results.run_info["dtype"]) == ("float16", "bfloat16")
+    in_float32 = evaluate(model, bpe_tokenizer, small_data, allow_modified=True, precision="float32")
+    assert [p.good_logprob for p in results.pairs] == pytest.approx([p.good_logprob for p in in_float32.pairs], rel=0.05)
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -234,7 +234,11 @@ def weight_fingerprint(lm: torch.nn.Module) -> torch.Tensor:
             else:
                 sampled = local.reshape(-1)[::step][:FINGERPRINT_VALUES]
             parts.setdefault(local.device, []).append(sampled)
-    values = [torch.cat(sampled).to(torch.float64).cpu() for sampled in parts.values()]
+    values = []
+    for device, sampled in parts.items():
+        # Outside autocast: bf16 weights under a float16 autocast make its cat fail ("Unexpected floating ScalarType").
+        with torch.autocast(device.type, enabled=False):
+            values.append(torch.cat(sampled).to(torch.float64).cpu())
     return torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
 
 
