@@ -152,8 +152,9 @@ def report(results, output: str | None) -> None:
 
 
 def run_score(args: argparse.Namespace) -> None:
-    check_output_file(args.output, "--output")
-    check_output_file(args.results, "--results")
+    inputs = [args.data or os.environ.get("TATBLIMP_DATA"), *args.suite, args.prompt_file]
+    check_output_file(args.output, "--output", [*inputs, args.results])
+    check_output_file(args.results, "--results", inputs)
     if args.endpoint is None and not args.model and (args.protocol == "forced-choice" or args.model_name):
         args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
     if args.endpoint and args.protocol == "logprob":  # a completions endpoint

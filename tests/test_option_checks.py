@@ -113,6 +113,28 @@ def test_compare_and_report_refuse_an_unwritable_output_before_reading_the_runs(
     )
 
 
+def test_an_output_that_is_one_of_the_commands_inputs_is_refused_and_the_input_kept(tmp_path, capsys):
+    """``score --output`` on the benchmark file, ``report --output`` or ``compare --json`` on a results file it reads
+    replaced that input and exited 0."""
+    data = tmp_path / "copy.jsonl"
+    data.write_bytes(DATA.read_bytes())
+    run = tmp_path / "run.json"
+    run.write_text('{"not": "read"}\n', encoding="utf-8")
+    same = str(tmp_path / "." / "run.json")  # the same file by another name
+    for args, given, option in (
+        (["score", "no-model", "--data", str(data), "--output", str(data)], data, "--output"),
+        (["report", str(run), "--output", same], run, "--output"),
+        (["compare", str(tmp_path / "other.json"), f"base={run}@4", "--json", same], f"base={run}@4", "--json"),
+        (["compare", str(run), str(run), "--markdown", same], run, "--markdown"),
+    ):
+        destination = args[-1]
+        assert (
+            error_of(args, capsys)
+            == f"{option} {destination}: the same file as the input {given}, which writing it would destroy"
+        )
+    assert data.read_bytes() == DATA.read_bytes() and run.read_text(encoding="utf-8") == '{"not": "read"}\n'
+
+
 def test_sweep_refuses_a_results_file_it_cannot_write_before_any_checkpoint_loads(capsys):
     # /proc/1 is a folder no file can be made in (even by root): the check, not the sweep's "no checkpoints", answers.
     assert error_of(["sweep", "/proc/1", "--data", str(DATA)], capsys).startswith(

@@ -299,7 +299,7 @@ def add_compare_parser(commands) -> None:
 
 def run_compare(args: argparse.Namespace) -> None:
     for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
-        check_output_file(path, option)
+        check_output_file(path, option, [*args.results, args.data])
     if args.plot:
         require_matplotlib()  # before the work, not after the tables
     runs = load_runs(args.results, step=args.step)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
 
-def check_output_file(path: str | os.PathLike | None, option: str) -> None:
-    """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, or a folder
-    that cannot be created or written in (``/proc/x/out.json``, a read-only mount).
+def check_output_file(path: str | os.PathLike | None, option: str, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+    """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, a folder
+    that cannot be created or written in (``/proc/x/out.json``, a read-only mount), or one of the command's ``inputs``
+    (given as on its command line: ``PATH``, ``LABEL=PATH``, ``PATH@STEP``), which writing would destroy.
 
     It tries: the missing folders on the way are made, a probe file is written in the last one, and both are
     removed again, so a command that fails later leaves nothing behind. None: nothing to check.
@@ -25,6 +27,11 @@ def check_output_file(path: str | os.PathLike | None, option: str) -> None:
     if path is None:
         return
     path = Path(path)
+    for given in filter(None, inputs):
+        text = str(given)
+        candidates = {text, text.split("=", 1)[-1], text.rsplit("@", 1)[0], text.split("=", 1)[-1].rsplit("@", 1)[0]}
+        if any(_same_file(path, candidate) for candidate in candidates):
+            raise ValueError(f"{option} {path}: the same file as the input {given}, which writing it would destroy")
     if path.is_dir():
         raise ValueError(f"{option} {path}: a folder; give a file name")
     existing = path.parent
@@ -82,3 +89,10 @@ def quiet_progress_bars():
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def _same_file(path: Path, other: str) -> bool:
+    try:
+        return os.path.samefile(path, other)
+    except (OSError, ValueError):  # either does not exist (a new output is no input), or a name no path can have
+        return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,7 @@ def run_tokenizers(args: argparse.Namespace) -> None:
     from ..reading.suites import suites_from_args
     from .outputs import check_output_file, say, write_text
 
-    check_output_file(args.output, "--output")
+    check_output_file(args.output, "--output", [args.data or os.environ.get("TATBLIMP_DATA"), *args.suite])
     suites = suites_from_args(args)
     sets = {} if args.suites_only else {"tatblimp": list(load_benchmark(args.data, allow_modified=args.allow_modified).pairs)}
     sets.update({name: list(suite.pairs) for name, suite in suites.items()})

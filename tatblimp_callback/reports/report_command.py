@@ -88,7 +88,7 @@ def add_report_parser(commands) -> None:
 def run_report(args: argparse.Namespace) -> None:
     from ..commands.outputs import check_output_file
 
-    check_output_file(args.output, "--output")  # before the work: a typo must not cost a model load
+    check_output_file(args.output, "--output", args.results)  # before the work: a typo must not cost a model load
     runs = load_runs(args.results)
     steps = resolve_steps(runs, args.steps)
     check_steps(runs, steps)
