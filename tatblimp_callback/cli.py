@@ -38,7 +38,7 @@ from .commands.outputs import check_output_file, say, silence_stdout, write_text
 from .commands.sweep import add_sweep_parser
 from .commands.tokenizers import add_tokenizers_parser
 from .harness.command import add_harness_parsers
-from .reading.option_types import natural_int, positive_float, positive_int
+from .reading.option_types import json_object, natural_int, positive_float, positive_int
 from .reading.suites import add_suite_arguments, suites_from_args
 from .reports.report_command import add_report_parser
 
@@ -215,7 +215,9 @@ def add_forced_choice_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeout", type=positive_float, default=60.0, help="endpoint: seconds per request (default: 60)")
     group.add_argument("--max-tokens", type=positive_int, default=8, help="endpoint: reply token limit (default: 8)")
     group.add_argument(
-        "--extra-body", help='endpoint: JSON object of extra request fields, e.g. \'{"guided_choice": ["A", "B"]}\''
+        "--extra-body",
+        type=json_object,
+        help='endpoint: JSON object of extra request fields, e.g. \'{"guided_choice": ["A", "B"]}\'',
     )
 
 
@@ -238,15 +240,12 @@ def run_forced_choice(args: argparse.Namespace) -> None:
             raise ValueError("--endpoint needs --model-name (the model field of each request)")
         if args.model:
             raise ValueError(f"give either a model folder ({args.model}) or --endpoint, not both")
-        extra_body = json.loads(args.extra_body) if args.extra_body else None
-        if extra_body is not None and not isinstance(extra_body, dict):
-            raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body}")
         client = ChatClient(
             args.endpoint,
             args.model_name,
             api_key=os.environ.get(args.api_key_env) or None,
             max_tokens=args.max_tokens,
-            extra_body=extra_body,
+            extra_body=args.extra_body,
             timeout=args.timeout,
             max_retries=args.max_retries,
         )

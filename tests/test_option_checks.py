@@ -41,6 +41,18 @@ def usage_error(args, capsys) -> str:
             "argument --gpu-memory-utilization: must be a number above 0 and at most 1, got 1.5",
         ),
         (["score", "m", "--max-model-len", "1"], "argument --max-model-len: must be a whole number of at least 2, got 1"),
+        (["score", "m", "--row-length", "0"], "argument --row-length: must be a whole number of at least 1, got 0"),
+        (["sweep", "r", "--row-length", "-3"], "argument --row-length: must be a whole number of at least 1, got -3"),
+        (
+            ["score", "m", "--head-method", "chunks:0"],
+            "argument --head-method: expected 'tiles' or 'chunks:N' (N contexts a chunk, e.g. 'chunks:1024')",
+        ),
+        (
+            ["score", "m", "--extra-body", "{bad"],
+            "argument --extra-body: must be a JSON object, e.g. '{\"top_k\": 1}'; '{bad' is not JSON "
+            "(Expecting property name enclosed in double quotes)",
+        ),
+        (["score", "m", "--extra-body", "[1]"], "argument --extra-body: must be a JSON object, e.g. '{\"top_k\": 1}', got [1]"),
         (["sweep", "r", "--threshold", "75"], "argument --threshold: must be a number from 0 to 1, got 75"),
         (["sweep", "r", "--interval", "-5"], "argument --interval: must be a number of at least 0, got -5"),
         (["sweep", "r", "--watch", "--max-wait", "-1"], "argument --max-wait: must be a number of at least 0, got -1"),

@@ -10,7 +10,6 @@ from .backends import uses_vllm
 
 def score_through_endpoint(args: argparse.Namespace):
     """``tatblimp score --endpoint URL --model-name NAME --tokenizer TOK`` (``--protocol logprob``): the ``Results``."""
-    import json
     import os
     import sys
 
@@ -29,9 +28,6 @@ def score_through_endpoint(args: argparse.Namespace):
         )
     if uses_vllm(args):
         raise ValueError("--backend vllm starts an engine in this process; an --endpoint is a server's")
-    extra_body = json.loads(args.extra_body) if args.extra_body else None
-    if extra_body is not None and not isinstance(extra_body, dict):
-        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body}")
     suites = suites_from_args(args)  # each suite's log-probs resumable from its own file beside --results
     tokenizer = load_tokenizer(args.tokenizer)
     if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place, as without --endpoint
@@ -42,7 +38,7 @@ def score_through_endpoint(args: argparse.Namespace):
         args.endpoint,
         args.model_name,
         api_key=os.environ.get(args.api_key_env) or None,
-        extra_body=extra_body,
+        extra_body=args.extra_body,
         timeout=args.timeout,
         max_retries=args.max_retries,
     )

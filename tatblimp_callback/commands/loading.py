@@ -45,10 +45,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--truncate", action="store_true", help="cut sentences longer than the model's context")
     parser.add_argument(
         "--head-method",
+        type=head_method,
         metavar="M",
         help="how the LM head gives log-probs: tiles or chunks:N (default: timed at the first evaluation, the fastest kept)",
     )
-    parser.add_argument("--row-length", type=int, metavar="N", help="positions per row of the forward calls (default: 256)")
+    parser.add_argument(
+        "--row-length", type=positive_int, metavar="N", help="positions per row of the forward calls (default: 256)"
+    )
     add_placement_arguments(parser)
     add_backend_arguments(parser)
 
@@ -157,6 +160,17 @@ def damaged_weight_file(folder: Path) -> tuple[Path, str] | None:
         except Exception as err:
             return path, str(err).splitlines()[0] if str(err) else type(err).__name__
     return None
+
+
+def head_method(text: str) -> str:
+    """``--head-method``: ``tiles`` or ``chunks:N``, refused by the parser otherwise (``HeadMethod.parse``)."""
+    from ..engine.head_choice import HeadMethod  # at parse time only where the option is given: torch loads with it
+
+    try:
+        HeadMethod.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix(f"unknown head method {text!r}: ")) from None
+    return text
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, **hub_options) -> Any:

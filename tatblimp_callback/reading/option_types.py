@@ -7,6 +7,7 @@ and ``argument --limit: must be a whole number of at least 1, got 0``, before an
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 
@@ -67,6 +68,19 @@ def accuracy(text: str) -> float:
     value = _number(text, float, "a number from 0 to 1")
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (extra fields of each request)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object, e.g. '{{\"top_k\": 1}}'; {text!r} is not JSON ({err.msg})"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"top_k\": 1}}', got {text}")
     return value
 
 
