@@ -85,6 +85,11 @@ def test_selection_errors_and_the_cache_of_a_selection(bpe_tokenizer, small_data
     with pytest.raises(BenchmarkError, match="no phenomenon nope, other"):
         benchmark.select(phenomena="binding,nope,other")
     assert benchmark.select() is benchmark
+    # A limit of at least every phenomenon's count, or all phenomena named, keeps the whole file: not partial (it was
+    # "first 1000 pairs of each phenomenon (1248 of 1248 pairs)", which compare then refused against a full run).
+    assert benchmark.select(limit=3) is benchmark and benchmark.select(limit=1000) is benchmark
+    assert benchmark.select(phenomena=",".join(benchmark.phenomena)) is benchmark
+    assert benchmark.select(limit=2).selection == "first 2 pairs of each phenomenon (32 of 48 pairs)"
     path = tmp_path / "cache.safetensors"
     assert build_cache(bpe_tokenizer, benchmark, cache_path=path).num_pairs == 48
     # The same file, tokenizer and prefix but fewer pairs: another cache, not the saved one.

@@ -141,7 +141,8 @@ class Benchmark:
             phenomena: names to keep, a sequence or one comma-separated string; None: all.
 
         Returns:
-            A benchmark with ``selection`` saying what was kept (its results are partial); this one when both are None.
+            A benchmark with ``selection`` saying what was kept (its results are partial); this one when both are None
+            or when every pair is kept.
 
         Raises:
             BenchmarkError: a limit below 1 or an unknown phenomenon.
@@ -161,6 +162,8 @@ class Benchmark:
             if (not phenomena or pair.phenomenon in phenomena) and (limit is None or seen[pair.phenomenon] < limit):
                 seen[pair.phenomenon] += 1
                 kept.append(pair)
+        if len(kept) == len(self.pairs):  # a limit above every phenomenon's count keeps them all: not partial
+            return self
         what = [f"first {limit} pair{'s' * (limit != 1)} of each phenomenon" if limit is not None else None]
         what.append(f"phenomena {','.join(name for name in self.phenomena if name in phenomena)}" if phenomena else None)
         selection = "; ".join(filter(None, [self.selection, *what]))
