@@ -271,6 +271,28 @@ def test_bad_files_are_named(tmp_path):
         load_run(tmp_path / "y.jsonl")
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r.update(acc="abc"), 'acc is "abc", not a number'),
+        (lambda r: r.update(acc_norm=None), "acc_norm is null, not a number"),
+        (lambda r: r.update(n=-5), "n is -5, not a count"),
+        (lambda r: r["phenomena"]["p"].update(acc=True), "phenomena.p.acc is true, not a number"),
+        (lambda r: r.update(phenomena=[1, 2]), "malformed phenomena"),
+        (lambda r: r["phenomena"].update(p="x"), "malformed phenomena"),
+        (lambda r: r.update(benchmark="x"), "malformed benchmark"),
+    ],
+)
+def test_a_hand_edited_results_file_is_named_with_its_field(tmp_path, edit, message):
+    """compare and report stopped with Python's own words, naming no file or field (``must be real number, not str``,
+    ``'list' object has no attribute 'get'``, ``Unknown format code 'f'``), or took a negative count."""
+    record = result(0.5, {"p": 0.5})
+    edit(record)
+    (tmp_path / "x.json").write_text(json.dumps(record))
+    with pytest.raises(CompareError, match=f"^{re.escape(str(tmp_path / 'x.json'))}: {re.escape(message)}"):
+        load_run(tmp_path / "x.json")
+
+
 def test_a_sweep_being_written_is_read_up_to_its_last_complete_line(tmp_path, caplog):
     path = tmp_path / "tatblimp.jsonl"
     complete = "".join(json.dumps(result(0.5, {"p": v}, step=s)) + "\n" for s, v in ((100, 0.3), (200, 0.6)))

@@ -180,6 +180,17 @@ def _check_record(record: Any, where: str) -> None:
         )
     if not isinstance(record, dict) or not {"acc", "acc_norm", "phenomena"} <= record.keys():
         raise CompareError(f"{where}: not TatBLiMP results (expected the keys acc, acc_norm, phenomena)")
+    if not isinstance(record.get("benchmark", {}), dict):
+        raise CompareError(f"{where}: malformed benchmark (expected {{md5, release, source, ...}})")
+    phenomena = record["phenomena"]
+    if not isinstance(phenomena, dict) or not all(isinstance(scores, dict) for scores in phenomena.values()):
+        raise CompareError(f"{where}: malformed phenomena (expected {{phenomenon: {{n, acc, acc_norm, ...}}}})")
+    fields = [("", record), *((f"phenomena.{name}.", scores) for name, scores in phenomena.items())]
+    for prefix, scores in fields:  # a hand-edited file: its numbers are read as numbers
+        for key in ("acc", "acc_norm", "n"):
+            value = scores.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (key == "n" and value < 0):
+                raise CompareError(f"{where}: {prefix}{key} is {json.dumps(value)}, not a {'count' if key == 'n' else 'number'}")
 
 
 def shared_suites(runs: list[Run]) -> list[str]:
