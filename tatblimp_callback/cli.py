@@ -151,7 +151,18 @@ def report(results, output: str | None) -> None:
         say(f"wrote {output}")
 
 
+def read_option_file(path: str, option: str) -> str:
+    """The UTF-8 text of the file an option names; an ``OSError`` naming the option and the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise OSError(f"{option} {path}: cannot read ({err.strerror or err})") from None
+
+
 def run_score(args: argparse.Namespace) -> None:
+    if args.protocol == "logprob" and (args.prompt_file or args.system_prompt):
+        option = "--prompt-file" if args.prompt_file else "--system-prompt"
+        raise ValueError(f"{option}: the forced-choice protocol's; give --protocol forced-choice (log-probs use no prompt)")
     inputs = [args.data or os.environ.get("TATBLIMP_DATA"), *args.suite, args.prompt_file]
     check_output_file(args.output, "--output", [*inputs, args.results])
     check_output_file(args.results, "--results", inputs)
@@ -228,7 +239,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
 
     if args.protocol != "forced-choice":
         raise ValueError("--endpoint needs --protocol forced-choice (chat endpoints give no sentence log-probabilities)")
-    prompt = check_prompt(Path(args.prompt_file).read_text(encoding="utf-8")) if args.prompt_file else DEFAULT_PROMPT
+    prompt = check_prompt(read_option_file(args.prompt_file, "--prompt-file")) if args.prompt_file else DEFAULT_PROMPT
 
     def benchmark():  # after the options are checked, before a model loads or a request is sent
         return load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)

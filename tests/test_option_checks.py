@@ -12,7 +12,7 @@ import pytest
 
 from conftest import DATA
 from tatblimp_callback.cli import main
-from tatblimp_callback.commands.outputs import check_output_file
+from tatblimp_callback.commands.outputs import check_output_file, write_text
 
 TATBLIMP = str(Path(sys.executable).parent / "tatblimp")
 
@@ -145,6 +145,22 @@ def test_an_output_that_is_one_of_the_commands_inputs_is_refused_and_the_input_k
             == f"{option} {destination}: the same file as the input {given}, which writing it would destroy"
         )
     assert data.read_bytes() == DATA.read_bytes() and run.read_text(encoding="utf-8") == '{"not": "read"}\n'
+
+
+def test_files_an_option_names_are_named_when_they_cannot_be_read_or_written(tmp_path, capsys):
+    """``--prompt-file nosuch.txt`` was ``[Errno 2] No such file or directory: 'nosuch.txt'``, a full disk
+    ``[Errno 28] No space left on device``, neither naming the option or the file; a prompt given to the log-prob
+    protocol, which uses none, was ignored."""
+    missing = tmp_path / "nosuch.txt"
+    args = ["score", "no-model", "--data", str(DATA), "--prompt-file", str(missing)]
+    assert error_of([*args, "--protocol", "forced-choice"], capsys) == (
+        f"--prompt-file {missing}: cannot read (No such file or directory)"
+    )
+    assert error_of(args, capsys) == (
+        "--prompt-file: the forced-choice protocol's; give --protocol forced-choice (log-probs use no prompt)"
+    )
+    with pytest.raises(OSError, match=r"^/dev/full: cannot write \(No space left on device\)$"):
+        write_text("/dev/full", "results\n")
 
 
 def test_sweep_refuses_a_results_file_it_cannot_write_before_any_checkpoint_loads(capsys):

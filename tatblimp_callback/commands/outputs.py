@@ -56,9 +56,16 @@ def check_output_file(path: str | os.PathLike | None, option: str, inputs: Itera
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path``, creating its folder."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(text, encoding="utf-8")
+    """Write ``text`` (UTF-8) to ``path``, creating its folder.
+
+    Raises:
+        OSError: naming ``path`` (the system's own error names none: ``[Errno 28] No space left on device``).
+    """
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise OSError(f"{path}: cannot write ({err.strerror or err})") from err
 
 
 def silence_stdout() -> None:
