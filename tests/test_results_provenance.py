@@ -4,6 +4,7 @@ say when they cover only some pairs (``--limit``, ``--phenomena``)."""
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import shutil
 from datetime import datetime, timedelta, timezone
@@ -103,6 +104,19 @@ def test_a_sweep_record_says_what_made_it(model_dir, small_data, tmp_path):
     (record,) = [json.loads(line) for line in report.results_path.read_text().splitlines()]
     assert_made_by_this_machine(record, "float32")
     assert record["partial"] is False and record["selection"] is None
+
+
+def test_a_checkpoint_left_unscored_is_named_with_why(model_dir, small_data, tmp_path, caplog):
+    """A checkpoint folder with a config but no weights (a save under way, or one that failed) was "not complete yet"
+    with no reason given."""
+    shutil.copytree(model_dir, tmp_path / "run" / "checkpoint-7")
+    (tmp_path / "run" / "checkpoint-7" / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "checkpoint-9").mkdir()
+    shutil.copy(model_dir / "config.json", tmp_path / "run" / "checkpoint-9")
+    with caplog.at_level(logging.WARNING, logger="tatblimp_callback"):
+        report = sweep(tmp_path / "run", SweepOptions(data=str(small_data), allow_modified=True, progress=False, device="cpu"))
+    assert report.scored == ["checkpoint-7"] and report.incomplete == ["checkpoint-9"]
+    assert "1 checkpoint(s) not complete yet, not scored: checkpoint-9 (no weights file yet)" in caplog.text
 
 
 def test_endpoint_answers_of_the_whole_benchmark_are_not_reused_for_a_selection(small_data, tmp_path):

@@ -300,10 +300,18 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
             )
         )
     if report.incomplete and first:
-        logger.warning(
-            "tatblimp: %d checkpoint(s) not complete yet, not scored: %s", len(report.incomplete), ", ".join(report.incomplete)
-        )
+        named = ", ".join(_incomplete(source, name) for name in report.incomplete)
+        logger.warning("tatblimp: %d checkpoint(s) not complete yet, not scored: %s", len(report.incomplete), named)
     return report
+
+
+def _incomplete(source: Any, name: str) -> str:
+    """A checkpoint of a run folder left unscored, with why: no weights file (a save under way, or one that failed),
+    or files that were still changing."""
+    run_dir = getattr(source, "run_dir", None)
+    if run_dir is None:
+        return name
+    return f"{name} ({'no weights file yet' if not has_weights(run_dir / name) else 'its files were still changing'})"
 
 
 # -- the command ----------------------------------------------------------------------------------
