@@ -168,6 +168,10 @@ def run_score(args: argparse.Namespace) -> None:
     check_output_file(args.results, "--results", inputs)
     if args.endpoint is None and not args.model and (args.protocol == "forced-choice" or args.model_name):
         args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
+    given = [option for option, value in (("--results", args.results), ("--extra-body", args.extra_body)) if value]
+    if not args.endpoint and (given or args.model_name):
+        option = given[0] if given else "--model-name"
+        raise ValueError(f"{option}: an option of --endpoint (a served model's answers); no --endpoint is given")
     if args.endpoint and args.protocol == "logprob":  # a completions endpoint
         from .commands.endpoint_scoring import score_through_endpoint
 

@@ -163,6 +163,22 @@ def test_files_an_option_names_are_named_when_they_cannot_be_read_or_written(tmp
         write_text("/dev/full", "results\n")
 
 
+@pytest.mark.parametrize(
+    ("extra", "option"),
+    [
+        (["--results", "answers.jsonl"], "--results"),
+        (["--extra-body", '{"top_k": 1}'], "--extra-body"),
+        (["--model-name", "m"], "--model-name"),
+    ],
+)
+def test_an_endpoints_option_without_an_endpoint_is_refused(monkeypatch, capsys, extra, option):
+    """They were ignored: the local model was scored as if they had not been given."""
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    assert error_of(["score", "no-model", "--data", str(DATA), *extra], capsys) == (
+        f"{option}: an option of --endpoint (a served model's answers); no --endpoint is given"
+    )
+
+
 def test_sweep_refuses_a_results_file_it_cannot_write_before_any_checkpoint_loads(capsys):
     # /proc/1 is a folder no file can be made in (even by root): the check, not the sweep's "no checkpoints", answers.
     assert error_of(["sweep", "/proc/1", "--data", str(DATA)], capsys).startswith(
