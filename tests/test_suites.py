@@ -120,6 +120,21 @@ def test_multiblimp_jsonl_and_a_jsonl_bom(tmp_path):
     assert (pair.good, pair.phenomenon, pair.subtype) == ("Ул килде.", "SV-P", "tat")
 
 
+def test_a_json_file_is_json_lines_or_one_array_of_records(tmp_path):
+    """A ``.json`` suite was read as CSV: a truncated one said "2 fields, but the header has 1 (delimiter ',')"."""
+    lines = write(tmp_path / "lines.json", '{"good": "a b", "bad": "a c", "phenomenon": "p"}\n')
+    array = write(
+        tmp_path / "array.json", '[{"good": "a b", "bad": "a c", "phenomenon": "p"},\n {"good": "d e", "bad": "d f"}]\n'
+    )
+    assert [(p.good, p.bad) for p in load_suite("s", lines).pairs] == [("a b", "a c")]
+    assert [(p.good, p.phenomenon) for p in load_suite("s", array).pairs] == [("a b", "p"), ("d e", "array")]
+    truncated = write(tmp_path / "cut.json", '[{"good": "a b",\n "bad": ')
+    with pytest.raises(BenchmarkError, match=r"cut\.json:2: invalid JSON"):
+        load_suite("s", truncated)
+    with pytest.raises(BenchmarkError, match=r"odd\.json: record 2 of the array is not a JSON object"):
+        load_suite("s", write(tmp_path / "odd.json", '[{"good": "a b", "bad": "a c"}, 5]'))
+
+
 def test_a_column_mapping_for_other_layouts(tmp_path):
     file = write(tmp_path / "mine.csv", "ID;SENT_OK;SENT_BAD;CAT\n1;A cat sleeps.;A cat sleep.;agreement\n")
     with pytest.raises(BenchmarkError, match=r"mine\.csv:2: no sentence fields"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -132,7 +133,7 @@ def load_suite(name: str, source: str | os.PathLike, columns: dict[str, str] | N
 
     Args:
         name: the suite's name: the prefix of its logged keys and its key in ``Results.suites``.
-        source: a JSONL, CSV or TSV file, or a folder of them.
+        source: a JSONL, CSV or TSV file (a `.json` file: JSON lines or one array of records), or a folder of them.
         columns: where the fields are, for layouts not detected: ``{"good": ..., "bad": ..., "phenomenon": ...,
             "subtype": ...}`` (good and bad required).
 
@@ -187,12 +188,23 @@ def load_suite(name: str, source: str | os.PathLike, columns: dict[str, str] | N
 
 
 def _records(raw: bytes, file: Path):
-    """(line number, dict) for each row of a JSONL, CSV or TSV file."""
+    """(line number, dict) for each row of a JSONL, CSV or TSV file; a ``.json`` file is JSON lines, or one array of
+    records (then numbered by their place in it)."""
     text = decode_utf8(raw, str(file)).removeprefix("\ufeff")
     if not text.strip():
         raise BenchmarkError(f"{file}: the file holds no pairs")
     text = text.rstrip("\r\n")
-    if file.suffix.lower() == ".jsonl":
+    if file.suffix.lower() == ".json" and text.lstrip().startswith("["):  # one JSON array of records
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BenchmarkError(f"{file}:{err.lineno}: invalid JSON ({err.msg})") from None
+        for number, record in enumerate(records, start=1):
+            if not isinstance(record, dict):
+                raise BenchmarkError(f"{file}: record {number} of the array is not a JSON object")
+            yield number, record
+        return
+    if file.suffix.lower() in (".jsonl", ".json"):
         # JSON Lines ends a line at "\n" only (see data.parse_pairs).
         for number, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
