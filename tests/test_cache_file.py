@@ -48,11 +48,11 @@ def test_a_cache_reused_by_fingerprint_names_this_run_s_benchmark(bpe_tokenizer,
     model = tiny_llama(len(bpe_tokenizer))
     cache_path, first = tmp_path / "cache.safetensors", tmp_path / "first.jsonl"
     first.write_bytes(small_data.read_bytes())
-    # Saved by a run over a selection that kept every pair (3 a phenomenon, a limit of 1000).
+    # Saved by a run over a selection that kept every pair (3 a phenomenon, a limit of 1000): the whole file.
     everything = load_benchmark(first, allow_modified=True).select(limit=1000)
-    assert everything.selection == "first 1000 pairs of each phenomenon (48 of 48 pairs)"
+    assert everything.selection is None
     saved = Evaluator(bpe_tokenizer, everything, cache_path=cache_path)(model)
-    assert saved.partial and saved.benchmark_source == str(first)
+    assert not saved.partial and saved.benchmark_source == str(first)
     # The file moves; the full run reuses the cache (same bytes, same pairs) and says what it scored.
     moved = tmp_path / "moved.jsonl"
     first.rename(moved)

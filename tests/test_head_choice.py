@@ -160,8 +160,10 @@ def test_the_score_command_forces_the_head_method_and_writes_it_and_names_a_wron
     assert main([*args, "--head-method", "chunks:5", "--row-length", "64"]) == 0
     results = json.loads(out.read_text())
     assert results["head_method"] == "chunks:5" and results["head_choice"] == {"head_method": "chunks:5", "chosen_by": "given"}
-    assert main([*args, "--head-method", "chunk:5"]) != 0
-    assert "unknown head method 'chunk:5': expected 'tiles' or 'chunks:N'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # by the parser, before the model loads
+        main([*args, "--head-method", "chunk:5"])
+    assert refused.value.code == 2
+    assert "argument --head-method: unknown head method 'chunk:5': expected 'tiles' or 'chunks:N'" in capsys.readouterr().err
 
 
 def test_a_candidate_timed_on_one_piece_only_is_not_kept_however_fast_it_looked():

@@ -45,7 +45,8 @@ def usage_error(args, capsys) -> str:
         (["sweep", "r", "--row-length", "-3"], "argument --row-length: must be a whole number of at least 1, got -3"),
         (
             ["score", "m", "--head-method", "chunks:0"],
-            "argument --head-method: expected 'tiles' or 'chunks:N' (N contexts a chunk, e.g. 'chunks:1024')",
+            "argument --head-method: unknown head method 'chunks:0': expected 'tiles' or 'chunks:N' (N contexts a chunk, "
+            "e.g. 'chunks:1024')",
         ),
         (
             ["score", "m", "--extra-body", "{bad"],

@@ -169,7 +169,7 @@ def head_method(text: str) -> str:
     try:
         HeadMethod.parse(text)
     except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix(f"unknown head method {text!r}: ")) from None
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 
