@@ -86,7 +86,7 @@ def resolve_prefix_token_id(tokenizer: Any, prefix_token_id: int | None = None) 
     """The caller's prefix token if given (a whole number), else the tokenizer's BOS, else its EOS.
 
     Raises:
-        TokenizationError: ``tokenizer`` is a path or a name (``check_tokenizer``), ``prefix_token_id`` is not a
+        TokenizationError: no ``tokenizer``, or a path or a name (``check_tokenizer``), ``prefix_token_id`` is not a
             whole number, or neither it, a BOS nor an EOS token is there.
     """
     if tokenizer is None:

@@ -40,7 +40,7 @@ def check_shared_options(options) -> None:
     """
     check_alert_evaluations(options.alert_evaluations)
     flags = ("allow_modified", "truncate", "cuda_graphs", "compile", "exact_decisions", "eval_on_start", "eval_on_end")
-    check_flags(**{name: getattr(options, name) for name in (*flags, "raise_on_error")})
+    check_flags(**{name: getattr(options, name) for name in (*flags, "raise_on_error")})  # "no" would read as True
     check_sizes(options.memory_budget, options.row_length)
     check_tokenizer(options.tokenizer)
     check_prefix_token_id(options.prefix_token_id)
