@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import DATA
 from tatblimp_callback.cli import main
@@ -178,6 +179,20 @@ def test_an_endpoints_option_without_an_endpoint_is_refused(monkeypatch, capsys,
     assert error_of(["score", "no-model", "--data", str(DATA), *extra], capsys) == (
         f"{option}: an option of --endpoint (a served model's answers); no --endpoint is given"
     )
+
+
+def test_a_device_torch_does_not_know_or_this_machine_lacks_is_a_usage_error(capsys):
+    """``--device gpu`` stopped with torch's "Expected one of cpu, cuda, ipu, ... device type at start of device
+    string: gpu", and ``--device cuda`` on a CPU-only torch with "Torch not compiled with CUDA enabled": neither named
+    the option."""
+    assert usage_error(["score", "m", "--device", "gpu"], capsys) == (
+        "tatblimp score: error: argument --device: 'gpu' is no device: cpu, cuda, cuda:N or mps"
+    )
+    if not torch.cuda.is_available():
+        assert usage_error(["sweep", "r", "--device", "cuda:1"], capsys) == (
+            f"tatblimp sweep: error: argument --device: 'cuda:1': no CUDA device here (torch {torch.__version__}); "
+            "--device cpu runs on the CPU"
+        )
 
 
 def test_sweep_refuses_a_results_file_it_cannot_write_before_any_checkpoint_loads(capsys):

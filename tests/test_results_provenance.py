@@ -91,6 +91,9 @@ def test_selection_errors_and_the_cache_of_a_selection(bpe_tokenizer, small_data
     assert benchmark.select(limit=3) is benchmark and benchmark.select(limit=1000) is benchmark
     assert benchmark.select(phenomena=",".join(benchmark.phenomena)) is benchmark
     assert benchmark.select(limit=2).selection == "first 2 pairs of each phenomenon (32 of 48 pairs)"
+    for nothing in ("", " , "):  # --phenomena "" scored every phenomenon
+        with pytest.raises(BenchmarkError, match=f"^phenomena {nothing!r} names none \\(phenomena: "):
+            benchmark.select(phenomena=nothing)
     path = tmp_path / "cache.safetensors"
     assert build_cache(bpe_tokenizer, benchmark, cache_path=path).num_pairs == 48
     # The same file, tokenizer and prefix but fewer pairs: another cache, not the saved one.

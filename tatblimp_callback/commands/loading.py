@@ -33,7 +33,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-modified", action="store_true", help="accept a file that is not the official release")
     parser.add_argument("--tokenizer", help="tokenizer folder or raw SentencePiece .model (default: the model's)")
     parser.add_argument("--prefix-token-id", type=natural_int, help="token put before each sentence (default: BOS, else EOS)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
+    parser.add_argument("--device", type=device_name, default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: float32)")
     parser.add_argument(
         "--precision",
@@ -160,6 +160,23 @@ def damaged_weight_file(folder: Path) -> tuple[Path, str] | None:
         except Exception as err:
             return path, str(err).splitlines()[0] if str(err) else type(err).__name__
     return None
+
+
+def device_name(text: str) -> str:
+    """``--device``: a device torch knows, and, for CUDA, that this machine has (torch's own errors name no option)."""
+    import torch  # at parse time only where the option is given
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no device: cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: no CUDA device here (torch {torch.__version__}); --device cpu runs on the CPU"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
 
 
 def head_method(text: str) -> str:

@@ -148,7 +148,9 @@ class Benchmark:
             BenchmarkError: a limit below 1 or an unknown phenomenon.
         """
         if isinstance(phenomena, str):
-            phenomena = [name.strip() for name in phenomena.split(",") if name.strip()]
+            given, phenomena = phenomena, [name.strip() for name in phenomena.split(",") if name.strip()]
+            if not phenomena:  # "" or ",": a slip, not a wish for all of them
+                raise BenchmarkError(f"phenomena {given!r} names none (phenomena: {', '.join(self.phenomena)})")
         if limit is None and not phenomena:
             return self
         if limit is not None and limit < 1:
