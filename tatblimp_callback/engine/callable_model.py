@@ -21,12 +21,13 @@ The callable is called as ``fn(input_ids, position_ids)`` ([rows, length] each, 
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from ..reading.option_types import is_whole_number
 
 __all__ = ["CallableLM"]
 
@@ -110,7 +111,7 @@ class CallableLM(torch.nn.Module):
         if forward is None and (hidden_states is None or output_embedding is None):
             raise ValueError("CallableLM needs forward= (logits), or hidden_states= with output_embedding= (the LM head)")
         for name, value in (("vocab_size", vocab_size), ("context_length", context_length)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            if not is_whole_number(value) or value < 1:
                 raise ValueError(f"CallableLM: {name} must be a positive whole number, got {value!r}")
         if output_embedding is not None and not isinstance(output_embedding, torch.nn.Linear):
             raise ValueError(f"CallableLM: output_embedding must be the LM head, a torch.nn.Linear; got {output_embedding!r}")

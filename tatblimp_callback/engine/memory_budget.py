@@ -5,12 +5,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import numbers
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
+from ..reading.option_types import is_whole_number
 from . import distributed
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def check_sizes(memory_budget, row_length) -> None:
         ValueError: anything else, naming the option.
     """
     for name, value, unit in (("memory_budget", memory_budget, "bytes"), ("row_length", row_length, "positions")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+        if value is not None and (not is_whole_number(value) or value <= 0):
             raise ValueError(f"{name} must be a positive whole number of {unit}, or None for the default; got {value!r}")
 
 

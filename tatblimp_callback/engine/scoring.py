@@ -270,9 +270,10 @@ class Scorer(BatchForward):
             torch.OutOfMemoryError: still out of memory at the smallest budget.
             PeerFailure: under ``torch.distributed``, scoring failed on another process.
         """
-        outside = [s for s in sequences or () if not 0 <= s < self.cache.num_sentences]
-        if outside:
-            raise ValueError(f"score(sequences=): {outside[:5]} not among the cache's {self.cache.num_sentences} sequences")
+        count = self.cache.num_sentences
+        if sequences and not (min(sequences) >= 0 and max(sequences) < count):  # in C: a suite's list is 100K long
+            outside = [s for s in sequences if not 0 <= s < count]
+            raise ValueError(f"score(sequences=): {outside[:5]} not among the cache's {count} sequences")
         try:
             # Autocast, or the weights upcast; a new weights' dtype makes a new scorer (``serves``).
             in_precision = computing_in(self.lm, self.precision, self.cache.device, weights=self.compute_dtype)

@@ -1,4 +1,4 @@
-"""argparse ``type=`` functions for the commands' numeric options, and the check of the Python API's flags.
+"""argparse ``type=`` functions for the commands' numeric options, and the checks of the Python API's flags and counts.
 
 A value out of range is refused by the parser, as a value that is no number is: status 2, the subcommand's usage
 and ``argument --limit: must be a whole number of at least 1, got 0``, before anything is imported or loaded.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 
 
 def _number(text: str, kind: type, what: str):
@@ -82,6 +83,11 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"top_k\": 1}}', got {text}")
     return value
+
+
+def is_whole_number(value) -> bool:
+    """An integer of any integer type (numpy's too), and not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_flags(**flags) -> None:

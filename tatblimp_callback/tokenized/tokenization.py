@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import numbers
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..reading.option_types import is_whole_number
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def check_prefix_token_id(prefix_token_id) -> None:
     Raises:
         TokenizationError: naming the value.
     """
-    if prefix_token_id is not None and (isinstance(prefix_token_id, bool) or not isinstance(prefix_token_id, numbers.Integral)):
+    if prefix_token_id is not None and not is_whole_number(prefix_token_id):
         raise TokenizationError(f"prefix_token_id must be a token id (a whole number) or None, got {prefix_token_id!r}")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..engine.head_choice import HeadMethod
 from ..engine.memory_budget import check_sizes
 from ..engine.precision import check_precision
-from ..reading.option_types import check_flags
+from ..reading.option_types import check_flags, is_whole_number
 from ..tokenized.tokenization import check_prefix_token_id, check_tokenizer
 from .suite_schedule import check_suite_options
 
@@ -86,7 +86,7 @@ def check_alert_evaluations(value) -> None:
     Raises:
         ValueError: anything else.
     """
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2):
+    if value is not None and (not is_whole_number(value) or value < 2):
         raise ValueError(
             "alert_evaluations must be the run's planned number of evaluations (a whole number, at least 2) or None "
             f"(from the Trainer's max_steps), got {value!r}"
