@@ -58,10 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit",
         type=positive_int,
         metavar="N",
-        help="score only the first N pairs of each phenomenon (a quick run; marked partial)",
+        help="score only the first N pairs of each phenomenon (a quick run; marked partial where it leaves pairs out)",
     )
     score.add_argument(
-        "--phenomena", metavar="A,B", help="score only these phenomena, comma-separated (a quick run; marked partial)"
+        "--phenomena",
+        metavar="A,B",
+        help="score only these phenomena, comma-separated (a quick run; marked partial where it leaves pairs out)",
     )
     score.add_argument("--output", help="write the results as JSON here (missing folders are created)")
     score.add_argument("--revision", help="a Hub model's branch, tag or commit (default: main)")
