@@ -19,7 +19,7 @@ from pathlib import Path
 def check_output_file(path: str | os.PathLike | None, option: str, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
     """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, a folder
     that cannot be created or written in (``/proc/x/out.json``, a read-only mount), or one of the command's ``inputs``
-    (given as on its command line: ``PATH``, ``LABEL=PATH``, ``PATH@STEP``), which writing would destroy.
+    (given as on its command line: ``PATH``, a suite's ``NAME=PATH``, a run's ``PATH@STEP``), which writing would destroy.
 
     It tries: the missing folders on the way are made, a probe file is written in the last one, and both are
     removed again, so a command that fails later leaves nothing behind. None: nothing to check.
