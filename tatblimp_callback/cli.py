@@ -174,6 +174,9 @@ def run_score(args: argparse.Namespace) -> None:
     if not args.endpoint and (given or args.model_name):
         option = given[0] if given else "--model-name"
         raise ValueError(f"{option}: an option of --endpoint (a served model's answers); no --endpoint is given")
+    if args.revision and (args.endpoint or (args.model and Path(args.model).is_dir())):
+        where = "--endpoint serves the one model it has" if args.endpoint else f"{args.model} is a local folder, one version"
+        raise ValueError(f"--revision {args.revision}: {where}; --revision picks a Hub model's branch, tag or commit")
     if args.endpoint and args.protocol == "logprob":  # a completions endpoint
         from .commands.endpoint_scoring import score_through_endpoint
 

@@ -57,6 +57,8 @@ REFUSED = [
     ({"suites": "blimp/data"}, r"^suites= must be \{name: path or Suite\}"),
     ({"suites": {5: "blimp/data"}}, "^suite names must be non-empty strings, got 5$"),
     ({"suites": {"blimp": 5}}, "^suite 'blimp': expected a path or a Suite, got 5$"),
+    ({"suites": {"en/blimp": "blimp/data"}}, r"^suite name 'en/blimp': it prefixes the suite's logged keys, so no '/'"),
+    ({"suites": {"tatblimp": "blimp/data"}}, r"^suite name 'tatblimp': it prefixes the suite's logged keys"),
     ({"allow_modified": "no"}, "^allow_modified must be True or False, got 'no'$"),
     ({"truncate": "no"}, "^truncate must be True or False, got 'no'$"),
     ({"exact_decisions": "no"}, "^exact_decisions must be True or False, got 'no'$"),

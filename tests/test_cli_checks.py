@@ -193,3 +193,26 @@ def test_compare_refuses_pairing_results_of_different_selections(results_files, 
         "(--no-paired shows them side by side)"
     )
     assert main(["compare", str(single), str(whole), "--no-paired"]) == 0
+
+
+def test_options_that_would_do_nothing_are_refused(model_dir, results_files, tmp_path, monkeypatch, capsys):
+    """Each of these was ignored: the command ran as if it were not given."""
+    import tatblimp_callback.commands.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    model = ["score", str(model_dir), "--data", str(DATA)]
+    assert error_of([*model, "--revision", "v2"], capsys) == (
+        f"--revision v2: {model_dir} is a local folder, one version; --revision picks a Hub model's branch, tag or commit"
+    )
+    assert error_of([*model, "--columns", "good=a,bad=b"], capsys) == (
+        "--columns 'good=a,bad=b': where a --suite file's fields are; no --suite NAME=PATH is given"
+    )
+    sweep, single = results_files
+    assert error_of(["compare", str(single), f"{sweep}@10", "--data", str(DATA)], capsys) == (
+        f"--data {DATA}: the sentences of --flips, which is not given (the results alone are compared)"
+    )
+    assert error_of(["report", str(single), "--steps", "10", "20", "--output", str(tmp_path / "r.html")], capsys) == (
+        "--steps: two steps of a sweep's; none of the results is a sweep (a score file holds one evaluation)"
+    )
+    assert not (tmp_path / "r.html").exists()
+    assert main(["report", str(single), str(sweep), "--steps", "10", "20", "--output", str(tmp_path / "r.html")]) == 0

@@ -28,6 +28,15 @@ def test_environment_variable(monkeypatch):
     assert load_benchmark().md5 == OFFICIAL_MD5
 
 
+def test_a_missing_file_named_by_the_environment_variable_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("TATBLIMP_DATA", str(tmp_path / "moved.jsonl"))
+    with pytest.raises(BenchmarkError, match=r"moved\.jsonl: cannot read the benchmark file named by \$TATBLIMP_DATA \("):
+        load_benchmark()
+    with pytest.raises(BenchmarkError) as given:  # a path given outright is the caller's: no variable named
+        load_benchmark(tmp_path / "given.jsonl")
+    assert "TATBLIMP_DATA" not in str(given.value)
+
+
 def test_hub_download_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.delenv("TATBLIMP_DATA", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -49,3 +49,13 @@ def test_sizes_counts_and_flags_reach_the_request_scorer(bpe_tokenizer, argument
     lm = register().create_from_arg_string(arguments, extra)
     scorer = lm.request_scorer
     assert (scorer._options["memory_budget"], scorer._options["row_length"], scorer._options["release_memory"]) == options
+
+
+def test_device_in_model_args_wins_over_the_command_lines_default(bpe_tokenizer, caplog):
+    """``lm_eval --model_args ...,device=cpu`` without ``--device``: the harness passed its own default (cuda:0) as well,
+    and the model failed with "got multiple values for keyword argument 'device'"."""
+    model = tiny_llama(len(bpe_tokenizer))
+    lm = register().create_from_arg_string("device=cpu", {"pretrained": model, "tokenizer": bpe_tokenizer, "device": "cuda:0"})
+    assert str(lm.device) == "cpu" and "device=cpu from --model_args, not cuda:0" in caplog.text
+    again = register().create_from_arg_obj({"device": "cpu", "pretrained": model, "tokenizer": bpe_tokenizer}, {"device": "cpu"})
+    assert str(again.device) == "cpu"

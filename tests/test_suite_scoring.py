@@ -78,6 +78,10 @@ def test_tatblimp_and_a_suite_in_one_pass_give_each_the_log_probs_it_gets_alone(
     suite_record = json.loads(json.dumps(record["suites"]["blimp"]))
     assert suite_record["left_out"][0]["line"] == 25 and len(suite_record["pairs"]) == 79
     assert suite_record["benchmark"]["md5"] == suite.md5 and "scoring_method" not in suite_record
+    # What a custom loop logs (Fabric's log_dict, Accelerator.log): TatBLiMP's scalars and the suite's, by its name.
+    flat = fused.flat_metrics("tb")
+    assert flat["tb/acc_norm"] == fused.acc_norm and flat["blimp/acc_norm"] == blimp.acc_norm
+    assert {key for key in flat if key.startswith("blimp/")} == set(blimp.flat_metrics("blimp"))
 
     # The suite skipped this time: TatBLiMP alone, the same numbers, in a layout of its own sentences.
     skipped = evaluator(model, suites=[])

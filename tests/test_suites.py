@@ -222,6 +222,8 @@ def test_the_callback_checks_suite_every():
         with pytest.raises(ValueError, match="suite_every must be an int >= 1"):
             TatBLiMPCallback(suites={"blimp": str(BLIMP)}, suite_every=wrong)
     with pytest.raises(ValueError, match="suite names must differ from the log prefix"):
-        TatBLiMPCallback(suites={"tatblimp": str(BLIMP)})
+        TatBLiMPCallback(suites={"tb": str(BLIMP)}, log_prefix="tb")
+    with pytest.raises(ValueError, match="suite name 'tatblimp': it prefixes the suite's logged keys"):
+        TatBLiMPCallback(suites={"tatblimp": str(BLIMP)}, log_prefix="tb")  # the default prefix of every other reader
     with pytest.raises(ValueError, match="suites= are scored by log-probs"):
         TatBLiMPCallback(suites={"blimp": str(BLIMP)}, protocol="forced-choice")

@@ -298,6 +298,8 @@ def add_compare_parser(commands) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> None:
+    if args.data and not args.flips:
+        raise ValueError(f"--data {args.data}: the sentences of --flips, which is not given (the results alone are compared)")
     for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         check_output_file(path, option, [*args.results, args.data])
     if args.plot:

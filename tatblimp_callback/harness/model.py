@@ -14,6 +14,7 @@ Importing this module registers the model with the harness (``import tatblimp_ca
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -21,9 +22,11 @@ from accelerate.utils import convert_file_size_to_int
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from .fused import RequestScorer
+
+logger = logging.getLogger(__name__)
 
 
 @register_model("tatblimp")
@@ -66,6 +69,24 @@ class TatBLiMPLM(HFLM):
         self._encoding_only = False
         self._encoded: dict[tuple[str, bool | None], list[int]] | None = None  # within a call: each string's tokens
         self._prefix: int | None = None  # within a call: the prefix token id
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """As the harness makes a model from ``--model_args``; a key given there (``device=cpu``) wins over the same key
+        of the command line's own options, which the harness fills with defaults (``device`` is ``cuda:0`` unless
+        ``--device`` says otherwise) and would otherwise pass twice (``got multiple values for keyword argument``)."""
+        given = {key: value for key, value in (additional_config or {}).items() if value is not None}
+        for key in given.keys() & arg_dict.keys():
+            if given[key] != arg_dict[key]:
+                logger.warning("--model tatblimp: %s=%s from --model_args, not %s", key, arg_dict[key], given.pop(key))
+            else:
+                given.pop(key)
+        return cls(**arg_dict, **given)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """``create_from_arg_obj`` of ``key=value,...`` as the harness parses it."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @property
     def prefix_token_id(self) -> int:

@@ -230,7 +230,8 @@ def load_benchmark(source: str | os.PathLike | None = None, *, allow_modified: b
     try:
         raw = path.read_bytes()
     except OSError as err:
-        raise BenchmarkError(f"{path}: cannot read the benchmark file ({err.strerror or err})") from err
+        named_by = f" named by ${DATA_ENV_VAR}" if source is None and os.environ.get(DATA_ENV_VAR) else ""
+        raise BenchmarkError(f"{path}: cannot read the benchmark file{named_by} ({err.strerror or err})") from err
     pairs = tuple(parse_pairs(raw, str(path)))  # a broken line first: --allow-modified would not mend it
     md5 = hashlib.md5(raw).hexdigest()
     if md5 != OFFICIAL_MD5 and not allow_modified:

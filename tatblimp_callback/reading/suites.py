@@ -105,9 +105,15 @@ def parse_suite_option(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--suite {text!r}: expected NAME=PATH, e.g. blimp=../blimp/data")
-    if "/" in name or name in ("tatblimp",):
+    if not usable_name(name):
         raise ValueError(f"--suite {text!r}: the name {name!r} cannot be a suite name (no '/', not 'tatblimp')")
     return name, path
+
+
+def usable_name(name: str) -> bool:
+    """Whether ``name`` can name a suite: it prefixes the suite's logged keys (``name/acc``), so it holds no '/', which
+    would read as a phenomenon's key of another suite, and is not TatBLiMP's default prefix."""
+    return "/" not in name and name != "tatblimp"
 
 
 def check_suites(suites) -> None:
@@ -124,6 +130,8 @@ def check_suites(suites) -> None:
     for name, source in suites.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"suite names must be non-empty strings, got {name!r}")
+        if not usable_name(name):
+            raise ValueError(f"suite name {name!r}: it prefixes the suite's logged keys, so no '/' and not 'tatblimp'")
         if not isinstance(source, (Suite, str, os.PathLike)):
             raise ValueError(f"suite {name!r}: expected a path or a Suite, got {source!r}")
 
@@ -306,7 +314,8 @@ def suites_from_args(args) -> dict[str, Suite]:
     """The suites named by ``--suite`` and ``--columns``, read, in the order given.
 
     Raises:
-        ValueError: a malformed option, a name given twice, ``--columns`` for an unknown suite, ``--suites-only`` alone.
+        ValueError: a malformed option, a name given twice, ``--columns`` for an unknown suite or with no suite,
+            ``--suites-only`` alone.
     """
     named = [parse_suite_option(text) for text in getattr(args, "suite", None) or []]
     names = [name for name, _ in named]
@@ -315,6 +324,8 @@ def suites_from_args(args) -> dict[str, Suite]:
     if getattr(args, "suites_only", False) and not named:
         raise ValueError("--suites-only needs at least one --suite NAME=PATH")
     columns: dict[str | None, dict[str, str]] = {}
+    if getattr(args, "columns", None) and not named:
+        raise ValueError(f"--columns {args.columns[0]!r}: where a --suite file's fields are; no --suite NAME=PATH is given")
     for text in getattr(args, "columns", None) or []:
         name, sep, mapping = text.partition(":")
         if not sep:

@@ -146,7 +146,9 @@ def _tests_table(tests, metric: str, before: str, after: str) -> str:
 
 def check_steps(runs: Sequence[Run], steps: tuple[int, int] | None) -> None:
     """``ValueError`` naming the run and its steps (tokens, words) when a sweep among ``runs`` lacks one of ``steps``
-    (``--steps``)."""
+    (``--steps``), or when none is a sweep."""
+    if steps and not any(run.is_sweep for run in runs):
+        raise ValueError("--steps: two steps of a sweep's; none of the results is a sweep (a score file holds one evaluation)")
     for run in runs:
         available = [r["step"] for r in run.records_up_to_step] if run.is_sweep else []
         for step in steps or () if run.is_sweep else ():

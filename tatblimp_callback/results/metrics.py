@@ -242,6 +242,7 @@ class Results:
         """Scalars for a logger: ``{prefix}/acc``, ``{prefix}/acc_norm``, ``{prefix}/{phenomenon}/acc``, ...
 
         The overall 95% intervals too: ``{prefix}/acc_ci_low``, ``{prefix}/acc_ci_high``, and the same for acc_norm.
+        Each suite scored in the same pass under its own name (``{suite}/acc``, ...), as the callbacks log them.
         """
         metrics = {f"{prefix}/acc": self.acc, f"{prefix}/acc_norm": self.acc_norm}
         for metric, (low, high) in (("acc", self.acc_ci), ("acc_norm", self.acc_norm_ci)):
@@ -259,6 +260,8 @@ class Results:
                     metrics[f"{prefix}/{name}/non_finite_pairs"] = float(group.non_finite)
         if self.truncated_sentences:
             metrics[f"{prefix}/truncated_sentences"] = float(self.truncated_sentences)
+        for name, suite in self.suites.items():
+            metrics.update(suite.flat_metrics(name))
         return metrics
 
     def format_table(self) -> str:

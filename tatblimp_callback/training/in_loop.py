@@ -276,9 +276,7 @@ class InLoopMonitor:
                     ", ".join(name for name, group in results.phenomena.items() if group.non_finite),
                 )
             metrics[f"{prefix}/eval_seconds"] = results.run_info["seconds"]
-            for name, suite in results.suites.items():
-                self.last_suite_results[name] = suite
-                metrics.update(suite.flat_metrics(name))
+            self.last_suite_results.update(results.suites)
         if fc_results is not None:
             self.last_fc_results = fc_results
             metrics.update(fc_results.flat_metrics(f"{prefix}_fc"))
