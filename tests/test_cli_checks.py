@@ -214,5 +214,9 @@ def test_options_that_would_do_nothing_are_refused(model_dir, results_files, tmp
     assert error_of(["report", str(single), "--steps", "10", "20", "--output", str(tmp_path / "r.html")], capsys) == (
         "--steps: two steps of a sweep's; none of the results is a sweep (a score file holds one evaluation)"
     )
+    report = ["report", str(single), "--output", str(tmp_path / "r.html")]
+    assert error_of([*report, "--device", "cpu", "--dtype", "bfloat16", "--data", str(DATA)], capsys) == (
+        "--device, --dtype: options of --model (the model that scores the pairs shown); no --model is given"
+    )
     assert not (tmp_path / "r.html").exists()
     assert main(["report", str(single), str(sweep), "--steps", "10", "20", "--output", str(tmp_path / "r.html")]) == 0

@@ -56,6 +56,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_arguments(parser)
 
 
+def model_options_given(args: argparse.Namespace) -> list[str]:
+    """The options of ``add_model_arguments`` that ``args`` holds at other than their defaults, as ``--names``, but
+    ``--data`` and ``--allow-modified`` (which also name the benchmark a command reads without a model)."""
+    options = argparse.ArgumentParser(add_help=False)
+    add_model_arguments(options)
+    defaults = vars(options.parse_args([]))
+    return [
+        action.option_strings[0]
+        for action in options._actions
+        if action.dest not in ("data", "allow_modified") and getattr(args, action.dest, None) != defaults[action.dest]
+    ]
+
+
 def check_folder_or_hub_id(name: str | os.PathLike, what: str) -> Path | None:
     """The folder ``name`` names, or None when it is a Hub id; FileNotFoundError when it is neither.
 

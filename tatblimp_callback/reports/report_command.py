@@ -86,9 +86,12 @@ def add_report_parser(commands) -> None:
 
 
 def run_report(args: argparse.Namespace) -> None:
+    from ..commands.loading import model_options_given
     from ..commands.outputs import check_output_file
 
     check_output_file(args.output, "--output", args.results)  # before the work: a typo must not cost a model load
+    if not args.model and (given := model_options_given(args)):
+        raise ValueError(f"{', '.join(given)}: options of --model (the model that scores the pairs shown); no --model is given")
     runs = load_runs(args.results)
     steps = resolve_steps(runs, args.steps)
     check_steps(runs, steps)
