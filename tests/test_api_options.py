@@ -69,6 +69,7 @@ CALLBACKS_ONLY = [
     ({"log_prefix": ""}, "^log_prefix must be a non-empty string"),
     ({"acquisition_threshold": 80}, "^acquisition_threshold must be an acc_norm from 0 to 1, got 80$"),
     ({"raise_on_error": "yes"}, "^raise_on_error must be True or False"),
+    ({"alert_on_regression": "False"}, "^alert_on_regression must be True or False, got 'False'$"),
 ]
 
 
@@ -83,6 +84,15 @@ def test_a_mistyped_option_is_refused_where_it_is_given(bpe_tokenizer, small_dat
             continue
         with pytest.raises(ValueError, match=message):
             make(**dict(options))
+
+
+def test_every_flag_of_both_callbacks_is_checked(bpe_tokenizer, small_data):
+    """``eval_on_evaluate``, ``log_table`` and ``alert_on_regression`` took ``"False"`` and acted as True."""
+    from tatblimp_callback import TatBLiMPCallback
+
+    for name in ("eval_on_evaluate", "log_table"):  # the Trainer callback's own
+        with pytest.raises(ValueError, match=f"^{name} must be True or False, got 'False'$"):
+            TatBLiMPCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, **{name: "False"})
 
 
 def test_the_scoring_paths_below_refuse_a_tokenizers_path_and_a_list_of_suites_by_name(bpe_tokenizer, small_data):

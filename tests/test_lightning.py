@@ -206,6 +206,25 @@ class Probe(L.Callback):
         self.seen[trainer.global_step] = None if value is None else value.item()
 
 
+def test_fit_again_on_the_same_trainer_continues_the_curve_and_its_file(tmp_path, bpe_tokenizer, small_data):
+    """A second ``trainer.fit`` with ``max_steps`` raised goes on from the global step; the callback started afresh,
+    dropping steps 0-4 from its history, from the history file and from the alerts' windows."""
+    import json
+
+    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
+    module = Wrapped(len(bpe_tokenizer))
+    trainer = fit(module, callback, tmp_path, 4, bpe_tokenizer)
+    first = [dict(entry) for entry in callback.history]
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    loader = DataLoader(torch.tensor([b["input_ids"] for b in corpus_blocks(bpe_tokenizer, lines=120)]), batch_size=4)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 8 and [e["step"] for e in callback.history] == [0, 2, 4, 6, 8]
+    assert callback.history[:3] == first  # kept, not scored again
+    lines = [json.loads(line) for line in read_complete_lines(tmp_path / "tatblimp_history.jsonl")]
+    assert [line["step"] for line in lines] == [0, 2, 4, 6, 8]
+    assert callback._monitor.alerts.monitor.evaluations == 5
+
+
 def test_a_run_resumed_from_a_checkpoint_continues_one_curve(tmp_path, bpe_tokenizer, small_data):
     options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2)
     first = TatBLiMPLightningCallback(**options)

@@ -253,3 +253,19 @@ def test_a_finite_check_is_set_aside_only_while_its_key_holds_an_unscored_nan():
     expose(trainer, {}, is_ours, 1, checks)
     checks.put_back()
     assert off.check_finite is False
+
+
+def test_monitors_of_a_run_whose_every_evaluation_fails_read_nan_and_the_run_goes_on(tmp_path, bpe_tokenizer, caplog):
+    """The benchmark file missing: every evaluation fails. The monitored key was never in ``callback_metrics`` (only
+    keys already there got the NaN), and EarlyStopping ended the run at the first epoch end: "conditioned on metric
+    'tatblimp/acc_norm' which is not available"."""
+    callback = TatBLiMPLightningCallback(tokenizer=bpe_tokenizer, data=str(tmp_path / "moved.jsonl"), eval_every_n_steps=2)
+    stopping = EarlyStopping(monitor="tatblimp/acc_norm", mode="max", patience=100)
+    best = ModelCheckpoint(dirpath=str(tmp_path / "best"), monitor="tatblimp/acc_norm", mode="max", every_n_train_steps=2)
+    seen = Probe("tatblimp/acc_norm")
+    trainer = fit(
+        Wrapped(len(bpe_tokenizer)), None, tmp_path, 8, bpe_tokenizer, callbacks=[callback, seen, best, stopping], rows=8
+    )
+    assert trainer.global_step == 8 and stopping.stopped_epoch == 0 and callback.failures == 5  # steps 0, 2, 4, 6, 8
+    assert callback.history == [] and all(value != value for value in seen.seen.values())  # NaN at every check
+    assert stopping.check_finite is True

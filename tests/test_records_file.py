@@ -43,3 +43,14 @@ def test_a_partial_line_longer_than_a_chunk_and_a_file_without_any_newline(tmp_p
     path.write_bytes(b"y" * (_CHUNK + 1))
     assert cut_partial_line(path) == _CHUNK + 1 and path.read_bytes() == b""
     assert cut_partial_line(tmp_path / "none.jsonl") == 0
+
+
+def test_an_empty_file_has_no_partial_line_to_warn_of(tmp_path, caplog):
+    """A history file emptied on purpose (a new run into the same output_dir) was warned of as "ended in a partial
+    line (0 bytes, from an interrupted write)" at its first append."""
+    path = tmp_path / "tatblimp_history.jsonl"
+    path.write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        assert cut_partial_line(path) == 0
+        append_record(path, {"step": 0})
+    assert caplog.text == "" and [json.loads(line)["step"] for line in read_complete_lines(path)] == [0]

@@ -81,6 +81,21 @@ def test_report_steps_must_exist(demo_records, tmp_path, capsys):
     assert "no step 7" in capsys.readouterr().err
 
 
+def test_a_sweep_with_older_lines_without_outcomes_is_reported_with_no_paired(demo_records, tmp_path, capsys):
+    """Lines written before per-pair outcomes were recorded: refused with advice to pass --no-paired, which then
+    refused them again (it did not reach a single sweep's pairs learned and lost between its steps)."""
+    older = [{k: v for k, v in r.items() if k != "outcomes"} if k < 3 else r for k, r in enumerate(demo_records)]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in older), encoding="utf-8")
+    page = tmp_path / "r.html"
+    assert main(["report", str(mixed), "--output", str(page), "--data", str(DATA)]) == 1
+    assert "pass --no-paired" in capsys.readouterr().err
+    assert main(["report", str(mixed), "--output", str(page), "--data", str(DATA), "--no-paired"]) == 0
+    html = page.read_text(encoding="utf-8")
+    assert "No pairs learned or lost listed for mixed: an evaluation has no per-pair outcomes." in html
+    assert 'class="never-count"' not in html and html.count('class="heatmap"') == 1
+
+
 @pytest.mark.slow
 def test_report_of_the_demo_run_in_headless_chromium(demo_records, tmp_path):
     if not Path(CHROMIUM).exists():

@@ -288,3 +288,40 @@ def test_curves_draw_a_band_where_the_history_has_intervals(run_dir, small_data,
     bands.clear()
     plot_curves([{k: v for k, v in line.items() if k != "checkpoint"} for line in lines], tmp_path / "file.png")
     assert len(bands) == 17
+
+
+def test_a_checkpoint_rotated_away_during_the_sweep_is_counted_and_the_sweep_goes_on(
+    run_dir, small_data, monkeypatch, capsys
+):
+    """The Trainer's ``save_total_limit`` deletes a checkpoint, its tokenizer files with it, while an earlier one is
+    scored: the sweep stopped with "no tokenizer files ... pass --tokenizer" (exit 1), under ``--watch`` too."""
+    from tatblimp_callback.commands.checkpoint_scoring import CheckpointScorer
+
+    score = CheckpointScorer.score
+
+    def rotating(scorer, checkpoint):
+        if checkpoint.step == 10:
+            shutil.rmtree(run_dir / "checkpoint-20")
+        return score(scorer, checkpoint)
+
+    monkeypatch.setattr(CheckpointScorer, "score", rotating)
+    code = main(["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "2 checkpoint(s) scored, 0 already in" in out and "1 deleted before scoring" in out
+    assert [json.loads(line)["step"] for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()] == [10, 30]
+
+
+def test_a_tokenizer_the_models_cannot_embed_stops_the_sweep_at_the_first_checkpoint(run_dir, small_data, capsys):
+    """``--tokenizer`` (or ``--prefix-token-id``) is the run's: each checkpoint was loaded and failed alike, one
+    FAILED line and one failures-file entry each."""
+    from conftest import SPM_MODEL
+
+    command = ["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--no-progress"]
+    assert main([*command, "--tokenizer", str(SPM_MODEL)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tatblimp sweep: error: checkpoint-10: tokenizer ") and err.count("\n") == 1
+    assert err.rstrip().endswith(f"the tokenizer does not belong to this model (every checkpoint would fail alike: check --tokenizer {SPM_MODEL})")
+    assert not (run_dir / "tatblimp-failures.jsonl").exists()
+    assert main([*command, "--prefix-token-id", "100000"]) == 1
+    assert "(every checkpoint would fail alike: check --prefix-token-id)" in capsys.readouterr().err

@@ -122,20 +122,26 @@ def _files_key(source: Path) -> str:
 
 def score_or_failure(scorer: CheckpointScorer, checkpoint: Checkpoint) -> tuple[str, dict[str, Any] | None]:
     """("scored", record), ("failed", {"error", "process"}), ("vanished", None) or ("stop", {"error"}): scored on this
-    process alone. "stop" is a ``SweepError`` (the run's, not the checkpoint's: no tokenizer anywhere), handed to
-    process 0 like the other outcomes, so that the round's other checkpoints are written before the sweep stops and
-    no process waits for this one."""
+    process alone. "stop" is the run's error, not the checkpoint's (a ``SweepError``: no tokenizer anywhere; or
+    ``--tokenizer`` or ``--prefix-token-id`` giving ids the model cannot embed, which every checkpoint would fail
+    alike), handed to process 0 like the other outcomes, so that the round's other checkpoints are written before the
+    sweep stops and no process waits for this one."""
     from ..engine import distributed
+    from ..engine.model_checks import VocabularyMismatch
 
     try:
         with distributed.this_process_only():
             return "scored", scorer.score(checkpoint)
-    except SweepError as error:
-        return "stop", {"error": str(error)}
     except Exception as error:  # one bad checkpoint must not end the sweep, nor leave the other processes waiting
         if not checkpoint.path.exists():
-            # The Trainer's save_total_limit deleted it while we waited or loaded: nothing to score.
+            # The Trainer's save_total_limit deleted it while we waited or loaded (its tokenizer files too): nothing
+            # to score.
             return "vanished", None
+        if isinstance(error, SweepError):
+            return "stop", {"error": str(error)}
+        if isinstance(error, VocabularyMismatch) and (error.cause == "prefix token" or scorer.options.tokenizer):
+            option = "--prefix-token-id" if error.cause == "prefix token" else f"--tokenizer {scorer.options.tokenizer}"
+            return "stop", {"error": f"{checkpoint.name}: {error} (every checkpoint would fail alike: check {option})"}
         message = str(error).splitlines()[0] if str(error) else ""
         logger.info("tatblimp: %s could not be scored", checkpoint.name, exc_info=True)  # process 0 names it
         rank = int(os.environ.get("RANK", 0))

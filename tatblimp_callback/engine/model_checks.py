@@ -30,6 +30,15 @@ class ScoringError(RuntimeError):
     """The model cannot be scored with this cache (meta weights, vocabulary mismatch, too-long sentence, ...)."""
 
 
+class VocabularyMismatch(ScoringError):
+    """A token id the model cannot embed: ``cause`` is ``"tokenizer"`` (its ids) or ``"prefix token"`` (the one
+    chosen)."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face causal LM inside DDP, FSDP1, DeepSpeed, ``torch.compile``, Lightning Fabric and PEFT wrappers."""
     while True:
@@ -115,14 +124,16 @@ def check_vocabulary(cache: SentenceCache, embeddings: int) -> None:
     """A clear error for a prefix token or a tokenizer's id that a model with ``embeddings`` rows cannot embed."""
     largest_token_id = max([int(cache.token_ids.max()), *cache.answer_ids])
     if not cache.answer_ids and not 0 <= cache.prefix_token_id < embeddings:  # the caller's choice, not the tokenizer's
-        raise ScoringError(
+        raise VocabularyMismatch(
             f"prefix token id {cache.prefix_token_id} is not a token of the model (its embedding has {embeddings} rows); "
-            "pass a prefix_token_id below that (tatblimp: --prefix-token-id), or none for the tokenizer's BOS/EOS"
+            "pass a prefix_token_id below that (tatblimp: --prefix-token-id), or none for the tokenizer's BOS/EOS",
+            "prefix token",
         )
     if largest_token_id >= embeddings:
-        raise ScoringError(
+        raise VocabularyMismatch(
             f"tokenizer {cache.tokenizer_name} produces token id {largest_token_id}, but the model's embedding "
-            f"has only {embeddings} rows: the tokenizer does not belong to this model"
+            f"has only {embeddings} rows: the tokenizer does not belong to this model",
+            "tokenizer",
         )
 
 

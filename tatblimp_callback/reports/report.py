@@ -255,7 +255,8 @@ def build_report(
     ]
     header = ["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer", "precision"]
     body.append(_table(header, overview, "overview"))
-    body += _sections(runs, steps, pair_sentences(runs[0].record, data), details, threshold, paired and len(runs) > 1)
+    sentences = pair_sentences(runs[0].record, data)
+    body += _sections(runs, steps, sentences, details, threshold, paired and len(runs) > 1, required=paired)
     body += tokenization_sections(runs, data)  # how each tokenizer cuts the edit, and the outcomes split by it
     for name in shared_suites(list(runs)):
         suite_runs = [suite_run(run, name) for run in runs]
@@ -264,10 +265,12 @@ def build_report(
         own_steps = steps if steps and not _lacks_steps(suite_runs, steps) else None
         sentences = pair_sentences(suite_runs[0].record, None)
         try:
-            body += _sections(suite_runs, own_steps, sentences, None, threshold, paired and len(runs) > 1, f"{name}-")
+            body += _sections(
+                suite_runs, own_steps, sentences, None, threshold, paired and len(runs) > 1, f"{name}-", required=paired
+            )
         except CompareError as err:  # the runs scored other files of this suite: side by side, and why
             body.append(f'<p class="meta">Not compared pair by pair: {escape(str(err))}</p>')
-            body += _sections(suite_runs, own_steps, sentences, None, threshold, False, f"{name}-")
+            body += _sections(suite_runs, own_steps, sentences, None, threshold, False, f"{name}-", required=False)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -283,9 +286,13 @@ def _lacks_steps(runs: Sequence[Run], steps: tuple[int, int]) -> bool:
     return False
 
 
-def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, paired: bool, ids: str = "") -> list[str]:
+def _sections(
+    runs: Sequence[Run], steps, sentences, details, threshold: float, paired: bool, ids: str = "", required: bool = True
+) -> list[str]:
     """The curves, heatmap, side-by-side table, paired tests and flips of ``runs`` (TatBLiMP's, or one suite's);
-    ``ids``: what the chart ids start with, one page holding several sets of charts."""
+    ``ids``: what the chart ids start with, one page holding several sets of charts. A sweep's pairs learned, lost and
+    never learned need its per-pair outcomes: without ``required`` (``--no-paired``), a sweep with an evaluation that
+    has none (an older version's lines) is left out of them, and said so, rather than refused."""
     sweeps = [run for run in runs if run.is_sweep]
     comparison = compare_runs(list(runs), threshold=threshold, paired=paired)
     body = []
@@ -339,19 +346,23 @@ def _sections(runs: Sequence[Run], steps, sentences, details, threshold: float, 
             body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, sentences, None))
         body.append(_tests_table(tests, "acc_norm", base.label, label))
     body += learning_sections(comparison)  # alerts, fitted acquisition steps and trends, order of acquisition
-    if sweeps:
+    listed = [run for run in sweeps if required or all("outcomes" in r for r in run.records_up_to_step)]
+    if len(listed) < len(sweeps):
+        left_out = ", ".join(run.label for run in sweeps if run not in listed)
+        body.append(f'<p class="meta">No pairs learned or lost listed for {escape(left_out)}: an evaluation has no per-pair outcomes.</p>')
+    if listed:
         body.append("<h2>Pairs learned and lost during training</h2>")
         body.append(
             '<div class="meta">Lost: passed at the first step, failed at the last; learned: the reverse. Click a count for '
             "the pairs. The paired tests are exact McNemar tests on those pairs, BH-adjusted over the phenomena.</div>"
         )
-        own = {run.label: _own_sentences(run, runs[0], sentences) for run in sweeps}
-        body += [_between_steps(run, steps, own[run.label], details if run is runs[0] else None) for run in sweeps]
+        own = {run.label: _own_sentences(run, runs[0], sentences) for run in listed}
+        body += [_between_steps(run, steps, own[run.label], details if run is runs[0] else None) for run in listed]
         body.append("<h2>Pairs never learned, and unstable pairs</h2>")
         body.append(
             '<div class="meta">Never learned: failed acc_norm at every evaluation. Unstable: the outcome changed more than twice.</div>'
         )
-        body += [_never_and_unstable(run, own[run.label], details if run is runs[0] else None) for run in sweeps]
+        body += [_never_and_unstable(run, own[run.label], details if run is runs[0] else None) for run in listed]
     if sentences is None:
         body.append('<p class="meta">Sentences are not shown: the benchmark file was not found (tatblimp report --data).</p>')
     return body

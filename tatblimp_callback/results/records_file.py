@@ -32,6 +32,8 @@ def cut_partial_line(path: str | os.PathLike) -> int:
         return 0
     with handle:
         size = handle.seek(0, os.SEEK_END)
+        if size == 0:  # an empty file (a history file started afresh) has no partial line
+            return 0
         end = size
         while end > 0:
             start = max(0, end - _CHUNK)

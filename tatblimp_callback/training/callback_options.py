@@ -5,6 +5,7 @@ their budget over."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -39,8 +40,9 @@ def check_shared_options(options) -> None:
         ValueError: an option's value is invalid, named with what it should be.
     """
     check_alert_evaluations(options.alert_evaluations)
-    flags = ("allow_modified", "truncate", "cuda_graphs", "compile", "exact_decisions", "eval_on_start", "eval_on_end")
-    check_flags(**{name: getattr(options, name) for name in (*flags, "raise_on_error")})  # "no" would read as True
+    # Every option declared a bool ("no" or "False" would read as True), in the order declared
+    flags = [field.name for field in dataclasses.fields(options) if field.type in ("bool", bool)]
+    check_flags(**{name: getattr(options, name) for name in flags})
     check_sizes(options.memory_budget, options.row_length)
     check_tokenizer(options.tokenizer)
     check_prefix_token_id(options.prefix_token_id)

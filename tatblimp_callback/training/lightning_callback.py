@@ -203,7 +203,10 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         self._restored = list(state_dict.get("entries", []))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        entries, self._restored = self._restored or [], None
+        entries, self._restored = self._restored, None
+        if entries is None and trainer.global_step > 0:  # fit() again on the same Trainer: its steps and curve go on
+            entries = [point for point in self._monitor.points if point["step"] <= trainer.global_step]
+        entries = entries or []
         self._monitor.start_run(entries)
         self._monitor.alerts.plan = self.alert_evaluations or callback_options.planned_evaluations(
             _planned_steps(trainer), self.eval_every_n_steps, self.eval_on_start, self.eval_on_end

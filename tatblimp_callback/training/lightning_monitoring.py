@@ -34,8 +34,14 @@ def expose(
     tensors), and NaN in each key of ours (``is_ours``) that this evaluation did not score (a suite that
     ``suite_every`` skips, a failed evaluation): ``suite_schedule.unscored_placeholders``, the Trainer callback's
     rule too. Between evaluations the keys keep the last one's values. ``checks``: the ``EarlyStopping`` finite
-    checks to set aside on those NaN (and put back on a score)."""
-    ours = [name for name in trainer.callback_metrics if is_ours(name)]
+    checks to set aside on those NaN (and put back on a score). A key of ours that a monitor reads is among them
+    before any evaluation has scored it: missing, it would make ``EarlyStopping`` end the run when every evaluation
+    fails (a data path that does not exist)."""
+    monitored = (getattr(each, "monitor", None) for each in trainer.callbacks)
+    ours = {
+        *(name for name in trainer.callback_metrics if is_ours(name)),
+        *(m for m in monitored if isinstance(m, str) and is_ours(m)),
+    }
     unscored = unscored_placeholders(ours, metrics)
     fresh = {**metrics, **unscored}
     trainer.callback_metrics.update({name: torch.tensor(float(value), dtype=torch.float64) for name, value in fresh.items()})
