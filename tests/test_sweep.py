@@ -290,9 +290,7 @@ def test_curves_draw_a_band_where_the_history_has_intervals(run_dir, small_data,
     assert len(bands) == 17
 
 
-def test_a_checkpoint_rotated_away_during_the_sweep_is_counted_and_the_sweep_goes_on(
-    run_dir, small_data, monkeypatch, capsys
-):
+def test_a_checkpoint_rotated_away_during_the_sweep_is_counted_and_the_sweep_goes_on(run_dir, small_data, monkeypatch, capsys):
     """The Trainer's ``save_total_limit`` deletes a checkpoint, its tokenizer files with it, while an earlier one is
     scored: the sweep stopped with "no tokenizer files ... pass --tokenizer" (exit 1), under ``--watch`` too."""
     from tatblimp_callback.commands.checkpoint_scoring import CheckpointScorer
@@ -321,7 +319,9 @@ def test_a_tokenizer_the_models_cannot_embed_stops_the_sweep_at_the_first_checkp
     assert main([*command, "--tokenizer", str(SPM_MODEL)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tatblimp sweep: error: checkpoint-10: tokenizer ") and err.count("\n") == 1
-    assert err.rstrip().endswith(f"the tokenizer does not belong to this model (every checkpoint would fail alike: check --tokenizer {SPM_MODEL})")
+    assert err.rstrip().endswith(
+        f"the tokenizer does not belong to this model (every checkpoint would fail alike: check --tokenizer {SPM_MODEL})"
+    )
     assert not (run_dir / "tatblimp-failures.jsonl").exists()
     assert main([*command, "--prefix-token-id", "100000"]) == 1
     assert "(every checkpoint would fail alike: check --prefix-token-id)" in capsys.readouterr().err

@@ -349,7 +349,9 @@ def _sections(
     listed = [run for run in sweeps if required or all("outcomes" in r for r in run.records_up_to_step)]
     if len(listed) < len(sweeps):
         left_out = ", ".join(run.label for run in sweeps if run not in listed)
-        body.append(f'<p class="meta">No pairs learned or lost listed for {escape(left_out)}: an evaluation has no per-pair outcomes.</p>')
+        body.append(
+            f'<p class="meta">No pairs learned or lost listed for {escape(left_out)}: an evaluation has no per-pair outcomes.</p>'
+        )
     if listed:
         body.append("<h2>Pairs learned and lost during training</h2>")
         body.append(
