@@ -209,7 +209,7 @@ def test_options_that_would_do_nothing_are_refused(model_dir, results_files, tmp
     )
     sweep, single = results_files
     assert error_of(["compare", str(single), f"{sweep}@10", "--data", str(DATA)], capsys) == (
-        f"--data {DATA}: the sentences of --flips, which is not given (the results alone are compared)"
+        f"--data {DATA}: the benchmark file of --flips' sentences and --json's pair numbers; neither is given"
     )
     assert error_of(["report", str(single), "--steps", "10", "20", "--output", str(tmp_path / "r.html")], capsys) == (
         "--steps: two steps of a sweep's; none of the results is a sweep (a score file holds one evaluation)"
@@ -220,3 +220,34 @@ def test_options_that_would_do_nothing_are_refused(model_dir, results_files, tmp
     )
     assert not (tmp_path / "r.html").exists()
     assert main(["report", str(single), str(sweep), "--steps", "10", "20", "--output", str(tmp_path / "r.html")]) == 0
+
+
+def test_flipped_pairs_of_a_selection_are_named_by_their_index_in_the_file(results_files, tmp_path, capsys):
+    """``--limit 3 --phenomena binding,passives``: compare and report named the pairs by their place among the 6
+    scored (#0 binding), which ``explain --pair 0`` reads as the file's first pair (anaphor_agreement)."""
+    import re
+
+    _, single = results_files
+    first = single.with_name("a.json")
+    pairs = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()]
+    selected = [k for name in ("binding", "passives") for k in [k for k, p in enumerate(pairs) if p["phenomenon"] == name][:3]]
+    assert main(["compare", str(first), str(single), "--flips", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    shown = re.findall(r"    #(\d+)  (\w+)\n      good: (.*)\n", out)
+    assert shown and {int(n) for n, _, _ in shown} <= set(selected)
+    assert all(pairs[int(n)]["phenomenon"] == name and pairs[int(n)]["good"] == good for n, name, good in shown)
+    written = json.loads((tmp_path / "c.json").read_text())
+    listed = {n for entry in written["paired"] for key in ("baseline_only_pairs", "run_only_pairs") for n in entry[key]}
+    assert listed == {int(n) for n, _, _ in shown} and "pair_numbers" not in written
+    assert main(["report", str(first), str(single), "--output", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert {int(n) for n in re.findall(r'<li data-pair="(\d+)">', page)} == listed
+    # The benchmark file gone: the places among the pairs scored, marked as such.
+    for path in (first, single):
+        record = json.loads(path.read_text())
+        record["benchmark"]["source"] = str(tmp_path / "moved.jsonl")
+        (tmp_path / path.name).write_text(json.dumps(record))
+    assert main(["compare", str(tmp_path / first.name), str(tmp_path / single.name), "--flips"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"    #@(\d+)  \w+\n", out) and not re.findall(r"    #\d+  ", out)
+    assert "(#@N: the pair's place among those scored, a selection of the file's; pass --data for the file's #N)" in out

@@ -28,6 +28,7 @@ from ..results.edit_outcomes import acquisition_line, format_runs_by_edit, runs_
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from ..results.positions import axis_of
 from ..results.runs import CompareError, Run, load_run, load_runs, read_outcomes, shared_suites, suite_run
+from ..results.scored_pairs import file_indices
 from ..results.stats import ALPHA, METRICS
 from .checkpoints import step_of
 from .compare_learning import learning_rows, order_lines
@@ -47,8 +48,12 @@ __all__ = [
 ]
 
 
-def to_json(comparison: Comparison) -> dict[str, Any]:
-    """``--json``: every run's accuracies with intervals, and every paired test."""
+def to_json(comparison: Comparison, data: str | None = None) -> dict[str, Any]:
+    """``--json``: every run's accuracies with intervals, and every paired test with the pairs behind its counts, each
+    by its index in the benchmark file (``scored_pairs.file_indices``, the file read from ``data`` or the baseline's
+    source for a selection); where that file is not found, by their positions among the pairs scored, and
+    ``"pair_numbers": "positions among the pairs scored"`` says so."""
+    numbers = file_indices(comparison.baseline.record, data)
 
     def accuracies(group: dict[str, Any]) -> dict[str, Any]:
         return {key: group.get(key) for key in ("acc", "acc_ci", "acc_norm", "acc_norm_ci")}
@@ -74,8 +79,8 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
                     "baseline": comparison.baseline.label,
                     "run": label,
                     **asdict(test),
-                    "baseline_only_pairs": flipped.lost,
-                    "run_only_pairs": flipped.learned,
+                    "baseline_only_pairs": [numbers[i] for i in flipped.lost] if numbers is not None else flipped.lost,
+                    "run_only_pairs": [numbers[i] for i in flipped.learned] if numbers is not None else flipped.learned,
                 }
             )
     learning = {label: summary.to_dict() for label, summary in comparison.learning().items() if summary is not None}
@@ -84,6 +89,8 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
         for label, order in comparison.orders().items()
     ]
     by_edit = {"by_edit": runs_by_edit(comparison.runs)}  # acc and acc_norm split by how the tokenizer cut the edit
+    if numbers is None and paired:
+        by_edit["pair_numbers"] = "positions among the pairs scored"
     if not any(run.is_sweep for run in comparison.runs):
         return {"runs": runs, "paired": paired, **by_edit}
     return {"runs": runs, "paired": paired, "learning": learning, "learning_order": orders, **by_edit}
@@ -99,18 +106,20 @@ def format_flips_text(comparison: Comparison, data: str | None = None) -> str:
     if not comparison.tests:
         raise CompareError("--flips compares pair by pair: give at least two results, without --no-paired")
     base = comparison.baseline
-    sentences = pair_sentences(base.record, data)
+    sentences, numbers = pair_sentences(base.record, data), file_indices(base.record, data)
     lines = []
     for run in comparison.runs:
         if run is base:
             continue
         for metric in METRICS:
             flipped = flips(getattr(base.outcomes, metric), getattr(run.outcomes, metric))
-            lines += ["", *format_flips(flipped, base.outcomes.phenomena, sentences, base.label, run.label, metric)]
+            lines += ["", *format_flips(flipped, base.outcomes.phenomena, sentences, base.label, run.label, metric, numbers)]
     for run in comparison.runs:
         if run.is_sweep and len(run.history) > 1:
             outcomes = [read_outcomes(r, f"{run.path} at step {r['step']}") for r in run.records_up_to_step]
-            lines += ["", *format_sweep_flips(run.label, sweep_flips(outcomes), "acc_norm")]
+            own = file_indices(run.record, data) if run is base or data else None
+            own = own if own is not None else file_indices(run.record)  # --data may be another run's file
+            lines += ["", *format_sweep_flips(run.label, sweep_flips(outcomes), "acc_norm", own)]
     return "\n".join(lines).lstrip("\n")
 
 
@@ -292,14 +301,20 @@ def add_compare_parser(commands) -> None:
         action="store_true",
         help="list the pairs each run lost and learned against the baseline, and each sweep's never-learned and unstable pairs",
     )
-    parser.add_argument("--data", help="the benchmark file, for the sentences of --flips (default: the one the results name)")
+    parser.add_argument(
+        "--data",
+        help="the benchmark file, for the sentences of --flips and, of a --limit or --phenomena run, the pairs' numbers in "
+        "it (default: the one the results name)",
+    )
     add_acquisition_arguments(parser)
     parser.set_defaults(run=run_compare)
 
 
 def run_compare(args: argparse.Namespace) -> None:
-    if args.data and not args.flips:
-        raise ValueError(f"--data {args.data}: the sentences of --flips, which is not given (the results alone are compared)")
+    if args.data and not (args.flips or args.json):
+        raise ValueError(
+            f"--data {args.data}: the benchmark file of --flips' sentences and --json's pair numbers; neither is given"
+        )
     for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         check_output_file(path, option, [*args.results, args.data])
     if args.plot:
@@ -316,7 +331,7 @@ def run_compare(args: argparse.Namespace) -> None:
     }
 
     def json_text() -> str:
-        payload = {**to_json(comparison), **({"suites": {n: to_json(c) for n, c in suites.items()}} if suites else {})}
+        payload = {**to_json(comparison, args.data), **({"suites": {n: to_json(c) for n, c in suites.items()}} if suites else {})}
         return json.dumps(payload, indent=1, ensure_ascii=False) + "\n"
 
     def markdown() -> str:

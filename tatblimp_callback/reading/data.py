@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -114,6 +114,13 @@ class Benchmark:
     selection: str | None = None
     """Set when only some of the file's pairs are kept (``select``): which ones, e.g. "first 5 pairs of each
     phenomenon"; results of such a benchmark are partial."""
+    kept: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    """Each pair's index among the file's pairs, where only some are kept (None: all of them, in order)."""
+
+    @property
+    def file_indices(self) -> Sequence[int]:
+        """Each pair's index among its file's pairs (what ``explain --pair`` takes), also for a selection."""
+        return self.kept if self.kept is not None else range(len(self.pairs))
 
     @cached_property
     def fingerprint(self) -> str:
@@ -160,16 +167,16 @@ class Benchmark:
             named = ", ".join(name + did_you_mean(name, self.phenomena) for name in unknown)
             raise BenchmarkError(f"{self.source}: no phenomenon {named} (phenomena: {', '.join(self.phenomena)})")
         kept, seen = [], dict.fromkeys(self.phenomena, 0)
-        for pair in self.pairs:
+        for k, pair in enumerate(self.pairs):
             if (not phenomena or pair.phenomenon in phenomena) and (limit is None or seen[pair.phenomenon] < limit):
                 seen[pair.phenomenon] += 1
-                kept.append(pair)
+                kept.append(k)
         if len(kept) == len(self.pairs):  # a limit above every phenomenon's count keeps them all: not partial
             return self
         what = [f"first {limit} pair{'s' * (limit != 1)} of each phenomenon" if limit is not None else None]
         what.append(f"phenomena {','.join(name for name in self.phenomena if name in phenomena)}" if phenomena else None)
         selection = "; ".join(filter(None, [self.selection, *what]))
-        return replace(self, pairs=tuple(kept), selection=f"{selection} ({len(kept)} of {len(self.pairs)} pairs)")
+        return self._keeping(kept, f"{selection} ({len(kept)} of {len(self.pairs)} pairs)")
 
     def pick(self, indices: Sequence[int]) -> Benchmark:
         """The pairs at ``indices`` (in that order), with a ``selection`` that names them: a subset never claims
@@ -177,10 +184,15 @@ class Benchmark:
         indices = list(indices)
         shown = ", ".join(f"#{i}" for i in indices[:10]) + (", ..." if len(indices) > 10 else "")
         what = f"pairs {shown} ({len(indices)} of {len(self.pairs)} pairs)"
+        return self._keeping(indices, f"{self.selection}; {what}" if self.selection else what)
+
+    def _keeping(self, indices: Sequence[int], selection: str) -> Benchmark:
+        """The pairs at ``indices`` of this benchmark's, as a selection named ``selection``."""
         return replace(
             self,
             pairs=tuple(self.pairs[i] for i in indices),
-            selection=f"{self.selection}; {what}" if self.selection else what,
+            selection=selection,
+            kept=tuple(self.file_indices[i] for i in indices),
         )
 
     @property
@@ -282,11 +294,13 @@ def _parse_line(line: str, where: str, stem: str) -> Pair:
     good, bad = (required_string(record, key, where) for key in keys)
     if good == bad:
         raise BenchmarkError(f"{where}: the good and bad sentences are identical")
-    field = next((f for f in PHENOMENON_FIELDS if f in record), None)
-    if field is None and keys != SENTENCE_FIELDS[0]:  # another suite's line without one: the file's name, as suites.py does
+    phenomenon_field = next((f for f in PHENOMENON_FIELDS if f in record), None)
+    if (
+        phenomenon_field is None and keys != SENTENCE_FIELDS[0]
+    ):  # another suite's line without one: the file's name, as suites.py does
         phenomenon = stem
     else:
-        phenomenon = required_string(record, field or "phenomenon", where)
+        phenomenon = required_string(record, phenomenon_field or "phenomenon", where)
     subtype_field = next((f for f in SUBTYPE_FIELDS if f in record), "subtype")
     subtype = record.get(subtype_field)
     if subtype is not None and not isinstance(subtype, str):

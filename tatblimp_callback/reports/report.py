@@ -19,15 +19,16 @@ import os
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..commands.explain import normalised_margin
 from ..reading.identity import record_fingerprint
 from ..results.comparison import compare_runs, comparison_rows, paired_header, paired_rows
 from ..results.curves import DEFAULT_THRESHOLD, acquisition_steps
-from ..results.flips import Flips, flips, pair_sentences, sweep_flips
+from ..results.flips import NUMBERS_UNKNOWN, Flips, flips, pair_number, pair_sentences, sweep_flips
 from ..results.positions import axis_of, point, readable
 from ..results.runs import CompareError, Run, read_outcomes, shared_suites, suite_run
+from ..results.scored_pairs import file_indices
 from ..results.stats import format_interval, paired_tests
 from .report_charts import PALETTE, Series, heatmap, line_chart
 from .report_learning import learning_sections
@@ -83,16 +84,30 @@ def _axis(runs: Sequence[Run]) -> str:
     return axis_of(r for run in runs if run.is_sweep for r in run.records_up_to_step)
 
 
-def _pair_items(indices: Sequence[int], phenomena: Sequence[str], sentences, details, metric: str = "acc") -> str:
+class Shown(NamedTuple):
+    """What the page shows of a run's pairs: their sentences (None: the file was not found) and their numbers in the
+    file (``scored_pairs.file_indices``; None: not known, ``flips.pair_number``)."""
+
+    sentences: list[tuple[str, str]] | None
+    numbers: Sequence[int] | None
+
+
+def shown_pairs(record: Mapping[str, Any], data: str | os.PathLike | None = None) -> Shown:
+    """The sentences and file numbers of ``record``'s pairs, read from ``data`` or the file the record names."""
+    return Shown(pair_sentences(record, data), file_indices(record, data))
+
+
+def _pair_items(indices: Sequence[int], phenomena: Sequence[str], shown: Shown, details, metric: str = "acc") -> str:
     items = []
     for i in indices:
-        text = f'<span class="idx">#{i}</span> {escape(phenomena[i])}'
-        if sentences is not None:
-            good, bad = sentences[i]
+        number = pair_number(i, shown.numbers)
+        text = f'<span class="idx">{number}</span> {escape(phenomena[i])}'
+        if shown.sentences is not None:
+            good, bad = shown.sentences[i]
             text += f'<br><span class="good">good: {escape(good)}</span><br><span class="bad">bad: {escape(bad)}</span>'
         if details and i in details:
             text += token_view(*details[i], metric)
-        items.append(f'<li data-pair="{i}">{text}</li>')
+        items.append(f'<li data-pair="{number[1:]}">{text}</li>')
     return f'<ul class="pairs">{"".join(items)}</ul>'
 
 
@@ -125,7 +140,7 @@ def token_view(pair, tokens, metric: str = "acc") -> str:
     return note + "".join(rows)
 
 
-def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, phenomena, sentences, details) -> str:
+def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, phenomena, shown: Shown, details) -> str:
     attrs = f'data-run="{escape(run_label)}" data-from="{escape(frm)}" data-to="{escape(to)}" data-metric="{metric}"'
     parts = [f'<div class="flips" {attrs}>']
     for kind, title, indices in (
@@ -134,7 +149,7 @@ def _flip_block(run_label: str, frm: str, to: str, metric: str, flipped: Flips, 
     ):
         parts.append(
             f'<details><summary>{metric}: <b class="flip-count" data-kind="{kind}">{len(indices)}</b> {escape(title)}</summary>'
-            f"{_pair_items(indices, phenomena, sentences, details, metric)}</details>"
+            f"{_pair_items(indices, phenomena, shown, details, metric)}</details>"
         )
     return "".join(parts) + "</div>"
 
@@ -158,7 +173,7 @@ def check_steps(runs: Sequence[Run], steps: tuple[int, int] | None) -> None:
                 raise ValueError(f"{run.path}: no {axis} {readable(step, axis)} ({'steps' if axis == 'step' else axis}: {shown})")
 
 
-def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) -> str:
+def _between_steps(run: Run, steps: tuple[int, int] | None, shown: Shown, details) -> str:
     """Paired tests and flips of one sweep between two of its steps (default: first and last)."""
     check_steps([run], steps)
     available = [r["step"] for r in run.records_up_to_step]
@@ -171,14 +186,14 @@ def _between_steps(run: Run, steps: tuple[int, int] | None, sentences, details) 
     frm, to = (readable(s, axis) for s in (first, last))
     for metric in ("acc_norm", "acc"):
         flipped = flips(getattr(before, metric), getattr(after, metric))
-        parts.append(_flip_block(run.label, frm, to, metric, flipped, before.phenomena, sentences, details))
+        parts.append(_flip_block(run.label, frm, to, metric, flipped, before.phenomena, shown, details))
     names = (f"{axis} {frm}", f"{axis} {to}")
     parts.append(f"<b>acc_norm, per phenomenon</b>{_tests_table(tests, 'acc_norm', *names)}")
     parts.append(f"<details><summary>acc, per phenomenon</summary>{_tests_table(tests, 'acc', *names)}</details>")
     return "".join(parts)
 
 
-def _never_and_unstable(run: Run, sentences, details) -> str:
+def _never_and_unstable(run: Run, shown: Shown, details) -> str:
     outcomes = [read_outcomes(r, f"{run.path} at {point(r)}") for r in run.records_up_to_step]
     found = sweep_flips(outcomes)
     phenomena = outcomes[0].phenomena
@@ -192,8 +207,8 @@ def _never_and_unstable(run: Run, sentences, details) -> str:
         if f.never_learned or f.unstable:
             parts.append(
                 f"<details><summary>{escape(name)}: {len(f.never_learned)} never learned, {len(f.unstable)} unstable</summary>"
-                f"<b>never learned</b>{_pair_items(f.never_learned, phenomena, sentences, details, 'acc_norm')}"
-                f"<b>unstable</b>{_pair_items(f.unstable, phenomena, sentences, None)}</details>"
+                f"<b>never learned</b>{_pair_items(f.never_learned, phenomena, shown, details, 'acc_norm')}"
+                f"<b>unstable</b>{_pair_items(f.unstable, phenomena, shown, None)}</details>"
             )
     return "".join(parts)
 
@@ -255,22 +270,22 @@ def build_report(
     ]
     header = ["run", "evaluations", "acc_norm [95%]", "acc [95%]", "file", "tokenizer", "precision"]
     body.append(_table(header, overview, "overview"))
-    sentences = pair_sentences(runs[0].record, data)
-    body += _sections(runs, steps, sentences, details, threshold, paired and len(runs) > 1, required=paired)
+    shown = shown_pairs(runs[0].record, data)
+    body += _sections(runs, steps, shown, details, threshold, paired and len(runs) > 1, required=paired)
     body += tokenization_sections(runs, data)  # how each tokenizer cuts the edit, and the outcomes split by it
     for name in shared_suites(list(runs)):
         suite_runs = [suite_run(run, name) for run in runs]
         body.append(f'<h2 class="suite" data-suite="{escape(name)}">Suite {escape(name)}</h2>')
         # A suite scored less often (suite_every) may lack the steps asked for: its own first and last then.
         own_steps = steps if steps and not _lacks_steps(suite_runs, steps) else None
-        sentences = pair_sentences(suite_runs[0].record, None)
+        shown = shown_pairs(suite_runs[0].record)
         try:
             body += _sections(
-                suite_runs, own_steps, sentences, None, threshold, paired and len(runs) > 1, f"{name}-", required=paired
+                suite_runs, own_steps, shown, None, threshold, paired and len(runs) > 1, f"{name}-", required=paired
             )
         except CompareError as err:  # the runs scored other files of this suite: side by side, and why
             body.append(f'<p class="meta">Not compared pair by pair: {escape(str(err))}</p>')
-            body += _sections(suite_runs, own_steps, sentences, None, threshold, False, f"{name}-", required=False)
+            body += _sections(suite_runs, own_steps, shown, None, threshold, False, f"{name}-", required=False)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -287,7 +302,7 @@ def _lacks_steps(runs: Sequence[Run], steps: tuple[int, int]) -> bool:
 
 
 def _sections(
-    runs: Sequence[Run], steps, sentences, details, threshold: float, paired: bool, ids: str = "", required: bool = True
+    runs: Sequence[Run], steps, shown: Shown, details, threshold: float, paired: bool, ids: str = "", required: bool = True
 ) -> list[str]:
     """The curves, heatmap, side-by-side table, paired tests and flips of ``runs`` (TatBLiMP's, or one suite's);
     ``ids``: what the chart ids start with, one page holding several sets of charts. A sweep's pairs learned, lost and
@@ -343,7 +358,7 @@ def _sections(
         body.append(f"<h2>{escape(label)} against {escape(base.label)} (baseline), pair by pair</h2>")
         for metric in ("acc_norm", "acc"):
             flipped = flips(getattr(base.outcomes, metric), getattr(other.outcomes, metric))
-            body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, sentences, None))
+            body.append(_flip_block(label, base.label, label, metric, flipped, base.outcomes.phenomena, shown, None))
         body.append(_tests_table(tests, "acc_norm", base.label, label))
     body += learning_sections(comparison)  # alerts, fitted acquisition steps and trends, order of acquisition
     listed = [run for run in sweeps if required or all("outcomes" in r for r in run.records_up_to_step)]
@@ -358,21 +373,23 @@ def _sections(
             '<div class="meta">Lost: passed at the first step, failed at the last; learned: the reverse. Click a count for '
             "the pairs. The paired tests are exact McNemar tests on those pairs, BH-adjusted over the phenomena.</div>"
         )
-        own = {run.label: _own_sentences(run, runs[0], sentences) for run in listed}
+        own = {run.label: _own_pairs(run, runs[0], shown) for run in listed}
         body += [_between_steps(run, steps, own[run.label], details if run is runs[0] else None) for run in listed]
         body.append("<h2>Pairs never learned, and unstable pairs</h2>")
         body.append(
             '<div class="meta">Never learned: failed acc_norm at every evaluation. Unstable: the outcome changed more than twice.</div>'
         )
         body += [_never_and_unstable(run, own[run.label], details if run is runs[0] else None) for run in listed]
-    if sentences is None:
+    if shown.sentences is None:
         body.append('<p class="meta">Sentences are not shown: the benchmark file was not found (tatblimp report --data).</p>')
+    if shown.numbers is None:
+        body.append(f'<p class="meta">{escape(NUMBERS_UNKNOWN)}</p>')
     return body
 
 
-def _own_sentences(run: Run, first: Run, sentences):
-    """The sentences of ``run``'s own pairs: the first run's (``sentences``) where it scored the same pairs,
-    else read again for its own record (``--no-paired`` on runs of other files or selections)."""
+def _own_pairs(run: Run, first: Run, shown: Shown) -> Shown:
+    """What is shown of ``run``'s own pairs: the first run's (``shown``) where it scored the same pairs, else read
+    again for its own record (``--no-paired`` on runs of other files or selections)."""
     identities = [
         (
             r.record.get("benchmark", {}).get("md5"),
@@ -382,7 +399,7 @@ def _own_sentences(run: Run, first: Run, sentences):
         )
         for r in (run, first)
     ]
-    return sentences if run is first or identities[0] == identities[1] else pair_sentences(run.record)
+    return shown if run is first or identities[0] == identities[1] else shown_pairs(run.record)
 
 
 def write_report(path: str | os.PathLike, runs: Sequence[Run], **options) -> Path:

@@ -99,6 +99,16 @@ def pair_sentences(record: Mapping[str, Any], data: str | os.PathLike | None = N
     return None if benchmark is None else [(p.good, p.bad) for p in benchmark.pairs]
 
 
+def pair_number(i: int, numbers: Sequence[int] | None) -> str:
+    """How a pair is named, ``#N``: its index among the benchmark file's pairs (``scored_pairs.file_indices``), as
+    ``explain --pair`` takes it; where that is not known (a selection whose file is not found), its position among
+    the pairs scored, marked ``#@N``."""
+    return f"#{numbers[i]}" if numbers is not None else f"#@{i}"
+
+
+NUMBERS_UNKNOWN = "(#@N: the pair's place among those scored, a selection of the file's; pass --data for the file's #N)"
+
+
 def format_flips(
     flipped: Flips,
     phenomena: Sequence[str],
@@ -106,29 +116,37 @@ def format_flips(
     baseline: str,
     run: str,
     metric: str,
+    numbers: Sequence[int] | None,
 ) -> list[str]:
-    """Text lines: the counts, then each lost and learned pair with its phenomenon and sentences."""
+    """Text lines: the counts, then each lost and learned pair with its number (``pair_number``), phenomenon and
+    sentences."""
     lines = [f"flips, {metric}: {run} against {baseline}: {len(flipped.lost)} lost, {len(flipped.learned)} learned"]
     for title, indices in ((f"lost (only {baseline} passes)", flipped.lost), (f"learned (only {run} passes)", flipped.learned)):
         lines.append(f"  {title}: {len(indices)}")
         for i in indices:
-            text = f"    #{i}  {phenomena[i]}"
+            text = f"    {pair_number(i, numbers)}  {phenomena[i]}"
             if sentences is not None:
                 text += f"\n      good: {sentences[i][0]}\n      bad:  {sentences[i][1]}"
             lines.append(text)
     if sentences is None and (flipped.lost or flipped.learned):
         lines.append("  (sentences: the benchmark file was not found; pass --data)")
+    if numbers is None and (flipped.lost or flipped.learned):
+        lines.append(f"  {NUMBERS_UNKNOWN}")
     return lines
 
 
-def format_sweep_flips(label: str, by_phenomenon: Mapping[str, SweepFlips], metric: str) -> list[str]:
-    """Text lines: per phenomenon, the never-learned and unstable pairs of one sweep."""
+def format_sweep_flips(
+    label: str, by_phenomenon: Mapping[str, SweepFlips], metric: str, numbers: Sequence[int] | None
+) -> list[str]:
+    """Text lines: per phenomenon, the never-learned and unstable pairs of one sweep (``pair_number``)."""
     lines = [f"across {label} ({metric}): never learned (failed at every step), unstable (> {UNSTABLE_CHANGES} changes)"]
     for name, found in by_phenomenon.items():
-        never = ", ".join(f"#{i}" for i in found.never_learned) or "-"
-        unstable = ", ".join(f"#{i} ({found.changes[i]}x)" for i in found.unstable) or "-"
+        never = ", ".join(pair_number(i, numbers) for i in found.never_learned) or "-"
+        unstable = ", ".join(f"{pair_number(i, numbers)} ({found.changes[i]}x)" for i in found.unstable) or "-"
         lines.append(f"  {name}: never learned {len(found.never_learned)}: {never}")
         lines.append(f"  {' ' * len(name)}  unstable {len(found.unstable)}: {unstable}")
+    if numbers is None:
+        lines.append(f"  {NUMBERS_UNKNOWN}")
     return lines
 
 

@@ -13,14 +13,14 @@ when its md5 matches and it holds all of the file's pairs.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..reading.data import Benchmark, BenchmarkError, load_benchmark
 from ..reading.identity import record_fingerprint
 from ..reading.suites import load_suite
 
-__all__ = ["scored_benchmark"]
+__all__ = ["file_indices", "scored_benchmark"]
 
 
 def scored_benchmark(record: Mapping[str, Any], data: str | os.PathLike | None = None) -> Benchmark | None:
@@ -35,6 +35,17 @@ def scored_benchmark(record: Mapping[str, Any], data: str | os.PathLike | None =
             if benchmark is not None and _is_the_scored(benchmark, record):
                 return benchmark
     return None
+
+
+def file_indices(record: Mapping[str, Any], data: str | os.PathLike | None = None) -> Sequence[int] | None:
+    """Each scored pair's index among its benchmark file's pairs (what ``explain --pair`` takes), by position: the
+    position itself where ``record`` scored the whole file; for a selection (``--limit``, ``--phenomena``), read from
+    the file (``scored_benchmark``); None where that file is not found."""
+    if not record.get("selection"):
+        outcomes = (record.get("outcomes") or {}).get("acc_norm")
+        return range(len(outcomes) if outcomes is not None else len(record.get("pairs") or ()))
+    benchmark = scored_benchmark(record, data)
+    return None if benchmark is None else benchmark.file_indices
 
 
 def _readings(source: str | os.PathLike, columns: dict[str, str] | None, suite: bool):
