@@ -60,6 +60,15 @@ def test_score_and_sweep_load_an_adapter_checkpoint_on_its_base_model(lora_run, 
     assert json.loads(out.read_text(encoding="utf-8"))["tokenizer"] == str(base)
     assert json.loads(out.read_text(encoding="utf-8"))["acc_norm"] == expected.acc_norm
 
+    # An adapter saved with its base model's config.json beside it (Unsloth, axolotl): still an adapter, not a model
+    # whose weights are missing (it was "no file named model.safetensors").
+    with_config = tmp_path / "adapter-with-config"
+    with_config.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "config.json"):
+        (with_config / name).write_bytes(((base if name == "config.json" else checkpoint) / name).read_bytes())
+    assert main(["score", str(with_config), *data, "--output", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text(encoding="utf-8"))["acc_norm"] == expected.acc_norm
+
     assert main(["sweep", str(checkpoint.parent), *data]) == 0, capsys.readouterr().err
     assert "1 checkpoint(s) scored" in capsys.readouterr().out
     records = [

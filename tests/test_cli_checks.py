@@ -183,6 +183,21 @@ def test_missing_matplotlib_is_reported_before_the_tables(results_files, tmp_pat
     assert captured.err == "tatblimp compare: error: plotting needs matplotlib: pip install 'tatblimp-callback[plot]'\n"
 
 
+def test_a_plot_path_that_is_no_image_name_is_refused_before_any_file(results_files, tmp_path, capsys):
+    """``--plot out/curves`` wrote ``out/curves.png`` (exit 0), and ``--plot out/curves.txt`` failed after ``--json``
+    was written."""
+    pytest.importorskip("matplotlib")
+    sweep, _ = results_files
+    for name in ("curves", "curves.txt"):
+        plot, written = tmp_path / name, tmp_path / "c.json"
+        assert error_of(["compare", str(sweep), "--plot", str(plot), "--json", str(written)], capsys).startswith(
+            f"--plot {plot}: not an image file name; end it in .png, .svg or .pdf ("
+        )
+        assert not written.exists() and not plot.exists() and not (tmp_path / "curves.png").exists()
+    assert main(["compare", str(sweep), "--plot", str(tmp_path / "curves.svg")]) == 0
+    assert (tmp_path / "curves.svg").read_text().lstrip().startswith("<?xml")
+
+
 def test_compare_refuses_pairing_results_of_different_selections(results_files, tmp_path, capsys):
     _, single = results_files
     whole = tmp_path / "whole.json"

@@ -325,3 +325,11 @@ def test_a_tokenizer_the_models_cannot_embed_stops_the_sweep_at_the_first_checkp
     assert not (run_dir / "tatblimp-failures.jsonl").exists()
     assert main([*command, "--prefix-token-id", "100000"]) == 1
     assert "(every checkpoint would fail alike: check --prefix-token-id)" in capsys.readouterr().err
+
+
+def test_each_line_names_its_own_checkpoints_tokenizer(run_dir, small_data):
+    """The checkpoints' tokenizer files are alike, so one tokenization serves them all; every line named the first
+    checkpoint's folder as its tokenizer (checkpoint-30's said checkpoint-10, and the report showed that)."""
+    sweep(run_dir, options(small_data))
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    assert [line["tokenizer"] for line in lines] == [str(run_dir / f"checkpoint-{step}") for step in STEPS]

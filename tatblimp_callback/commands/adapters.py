@@ -1,5 +1,6 @@
 """PEFT adapter checkpoints: a folder with ``adapter_config.json`` and ``adapter_model.safetensors`` (a LoRA
-fine-tune saved by peft or by the Trainer around a ``PeftModel``) but no ``config.json`` of a model.
+fine-tune saved by peft or by the Trainer around a ``PeftModel``) but no model of its own (no ``config.json``, or
+one without model weights).
 
 Such a folder is loaded with its base model, the one its ``adapter_config.json`` names
 (``base_model_name_or_path``), through peft's ``AutoPeftModelForCausalLM``; peft is needed only then.
@@ -15,10 +16,17 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
+MODEL_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
 def is_adapter_folder(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds a PEFT adapter without a model of its own (``adapter_config.json``, no ``config.json``)."""
+    """Whether ``folder`` holds a PEFT adapter without a model of its own: ``adapter_config.json``, and no
+    ``config.json`` or no model weights beside it (Unsloth's and axolotl's adapter checkpoints keep the base model's
+    ``config.json``)."""
     folder = Path(folder)
-    return (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file()
+    if not (folder / ADAPTER_CONFIG).is_file():
+        return False
+    return not (folder / "config.json").is_file() or not any((folder / name).is_file() for name in MODEL_WEIGHTS)
 
 
 def adapter_base_model(folder: str | os.PathLike) -> str | None:

@@ -54,7 +54,7 @@ class CheckpointScorer:
             "trust_remote_code": options.trust_remote_code,
             "attn_implementation": options.attn_implementation,
         }
-        key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
+        source, key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
         if options.backend == "vllm":  # an engine is started for the folder
             model = str(checkpoint.path)
         else:
@@ -80,6 +80,8 @@ class CheckpointScorer:
         finally:
             self._evaluators[key].close()  # it holds this model (or its vLLM engine): gone before the next loads
         record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
+        # This checkpoint's tokenizer, not the first one of the same files, whose cache and Evaluator it shares
+        record["tokenizer"] = source
         if mismatches is not None:
             record["sentencepiece_mismatches"] = mismatches
         if not self.options.include_pairs:
@@ -87,7 +89,9 @@ class CheckpointScorer:
                 part.pop("pairs")
         return record
 
-    def _tokenizer_for(self, path: Path) -> tuple[str, Any, int | None]:
+    def _tokenizer_for(self, path: Path) -> tuple[str, str, Any, int | None]:
+        """(where the tokenizer of the checkpoint at ``path`` is read from, its files' key, the tokenizer, the
+        SentencePiece mismatches): loaded once for each distinct content of its files."""
         from ..tokenized.tokenization import check_sentencepiece_mismatch
 
         source = self.options.tokenizer or _tokenizer_folder(path, self.run_dir)
@@ -98,7 +102,7 @@ class CheckpointScorer:
             if Path(source).is_dir():
                 mismatches = check_sentencepiece_mismatch(source, tokenizer, self.benchmark.sentences)
             self._tokenizers[key] = (tokenizer, mismatches)
-        return (key, *self._tokenizers[key])
+        return (source, key, *self._tokenizers[key])
 
 
 def _tokenizer_folder(checkpoint: Path, run_dir: Path) -> str:

@@ -21,19 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .adapters import ADAPTER_WEIGHTS, is_adapter_folder
+from .adapters import ADAPTER_WEIGHTS, MODEL_WEIGHTS, is_adapter_folder
 
 logger = logging.getLogger(__name__)
 _warned: set[Path] = set()  # a watching sweep polls every few seconds: each such folder is named once
 
 TRAINER_STATE = "trainer_state.json"
-WEIGHTS_FILES = (
-    "model.safetensors",
-    "pytorch_model.bin",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-    *ADAPTER_WEIGHTS,
-)
+WEIGHTS_FILES = (*MODEL_WEIGHTS, *ADAPTER_WEIGHTS)
 _STEP_NAME = re.compile(r"^(?:(?:checkpoint|ckpt|step|global[-_]?step|iter|iteration)[-_]?)?(\d+)$", re.IGNORECASE)
 _ENDS_IN_DIGITS = re.compile(r"\d$")
 _CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step|ckpt)[-_]?(\d+)$", re.IGNORECASE)

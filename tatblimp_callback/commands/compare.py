@@ -23,7 +23,7 @@ from typing import Any
 
 from ..reading.option_types import natural_int
 from ..results.comparison import Comparison, compare_runs, comparison_rows, paired_header, paired_rows
-from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, plot_runs, require_matplotlib
+from ..results.curves import DEFAULT_THRESHOLD, add_acquisition_arguments, check_image_path, plot_runs, require_matplotlib
 from ..results.edit_outcomes import acquisition_line, format_runs_by_edit, runs_by_edit, split_rows
 from ..results.flips import flips, format_flips, format_sweep_flips, pair_sentences, sweep_flips
 from ..results.positions import axis_of
@@ -319,6 +319,7 @@ def run_compare(args: argparse.Namespace) -> None:
         check_output_file(path, option, [*args.results, args.data])
     if args.plot:
         require_matplotlib()  # before the work, not after the tables
+        check_image_path(args.plot, "--plot")
     runs = load_runs(args.results, step=args.step)
     comparison = compare_runs(runs, args.baseline, args.paired, args.threshold, args.acquisition == "lower-bound")
     flipped = format_flips_text(comparison, args.data) if args.flips else None  # its errors before any output

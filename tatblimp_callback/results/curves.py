@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..reading.data import OFFICIAL_ORDER
@@ -246,6 +247,16 @@ def require_matplotlib():
     except ImportError as err:
         raise ImportError("plotting needs matplotlib: pip install 'tatblimp-callback[plot]'") from err
     return plt
+
+
+def check_image_path(path: str | os.PathLike, option: str) -> None:
+    """ValueError naming ``option`` when ``path`` does not end in a format matplotlib writes: it would write a
+    path without a suffix as ``PATH.png``, and stop on another suffix only once the drawing is done."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lower().lstrip(".") not in formats:
+        raise ValueError(f"{option} {path}: not an image file name; end it in .png, .svg or .pdf ({', '.join(sorted(formats))})")
 
 
 def add_acquisition_arguments(parser) -> None:
