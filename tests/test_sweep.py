@@ -333,3 +333,27 @@ def test_each_line_names_its_own_checkpoints_tokenizer(run_dir, small_data):
     sweep(run_dir, options(small_data))
     lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
     assert [line["tokenizer"] for line in lines] == [str(run_dir / f"checkpoint-{step}") for step in STEPS]
+
+
+def test_a_checkpoint_saved_again_in_place_is_scored_again_and_its_new_line_is_the_curves(
+    run_dir, small_data, bpe_tokenizer, tmp_path, capsys
+):
+    """A new run into the same output folder writes checkpoint-20 again, with other weights: the sweep kept the old
+    line ("0 scored, 3 already in") and the curve the old weights' score. A copy of the folder (new file times) is
+    not taken for a new save."""
+    from tatblimp_callback.results.runs import load_run
+
+    command = ["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--no-progress"]
+    assert main(command) == 0
+    shutil.rmtree(run_dir / "checkpoint-20")
+    save_checkpoint(run_dir / "checkpoint-20", bpe_tokenizer, seed=99)
+    capsys.readouterr()
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "1 checkpoint(s) scored, 2 already in" in out and "(1 saved again since, scored again: checkpoint-20)" in out
+    now = evaluate(tiny_llama(len(bpe_tokenizer), seed=99), bpe_tokenizer, small_data, allow_modified=True)
+    curve = [(r["step"], r["acc_norm"]) for r in load_run(run_dir / "tatblimp.jsonl").records_up_to_step]
+    assert [step for step, _ in curve] == [10, 20, 30] and curve[1][1] == now.acc_norm
+    copy = shutil.copytree(run_dir, tmp_path / "copied", copy_function=shutil.copy)  # new modification times
+    assert main([*command[:1], str(copy), *command[2:]]) == 0
+    assert "0 checkpoint(s) scored, 3 already in" in capsys.readouterr().out

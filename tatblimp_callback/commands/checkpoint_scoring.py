@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .adapters import adapter_base_model, is_adapter_folder
-from .checkpoints import Checkpoint, SweepError
+from .checkpoints import Checkpoint, SweepError, weights_identity
 from .loading import TOKENIZER_FILES, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class CheckpointScorer:
             "trust_remote_code": options.trust_remote_code,
             "attn_implementation": options.attn_implementation,
         }
+        files = weights_identity(checkpoint.path)  # before loading: what was read, should a new save follow
         source, key, tokenizer, mismatches = self._tokenizer_for(checkpoint.path)
         if options.backend == "vllm":  # an engine is started for the folder
             model = str(checkpoint.path)
@@ -82,6 +83,7 @@ class CheckpointScorer:
         record = {"step": checkpoint.step, "checkpoint": checkpoint.name, **results.to_dict(), "model": str(checkpoint.path)}
         # This checkpoint's tokenizer, not the first one of the same files, whose cache and Evaluator it shares
         record["tokenizer"] = source
+        record["weights_files"] = files
         if mismatches is not None:
             record["sentencepiece_mismatches"] = mismatches
         if not self.options.include_pairs:

@@ -14,6 +14,7 @@ stayed the same between two polls ``interval`` seconds apart.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -83,6 +84,27 @@ def step_of(path: str | os.PathLike | None) -> int | None:
 
 def has_weights(path: Path) -> bool:
     return any((path / name).is_file() for name in WEIGHTS_FILES)
+
+
+_SAMPLE = 1 << 20  # bytes read at each end of a weights file
+_identities: dict[tuple, str] = {}  # (file, size, mtime_ns) of a folder's weights -> its identity, read once a process
+
+
+def weights_identity(path: Path) -> str:
+    """What a checkpoint's weights are, cheaply: each weights file's name and size and its first and last MiB, hashed
+    (a copy of the folder keeps it; a checkpoint saved again in place, by a new run into the same folder, changes it).
+    Read once for each state of the files."""
+    files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin") or f.name in WEIGHTS_FILES)
+    key = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if (path, key) not in _identities:
+        digest = hashlib.sha256()
+        for file, (name, size, _) in zip(files, key):
+            with file.open("rb") as handle:
+                head = handle.read(_SAMPLE)
+                handle.seek(max(size - _SAMPLE, 0))
+                digest.update(f"{name}\0{size}\0".encode() + head + handle.read())
+        _identities[path, key] = digest.hexdigest()[:16]
+    return _identities[path, key]
 
 
 def _snapshot(path: Path) -> tuple:

@@ -31,7 +31,7 @@ from ..results.positions import readable
 from ..results.runs import without_replaced
 from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
-from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message
+from .checkpoints import CheckpointWatcher, SweepError, find_checkpoints, has_weights, no_checkpoints_message, weights_identity
 from .loading import add_model_arguments
 from .outputs import check_output_file, say
 from .placement import placement_options
@@ -179,9 +179,13 @@ class _RunFolder:
         ready, pending = self.watcher.poll()
         # One-shot: a checkpoint with weights but no trainer_state.json gets one interval to prove it is finished.
         settle = not self.options.watch and not settled and any(has_weights(c.path) for c in pending)
+        # Saved again since its line was written (a new run into the same folder): scored again, its new line the one read
+        last = {record["checkpoint"]: record.get("weights_files") for record in report.records}
+        rewritten = {c.name for c in ready if last.get(c.name) not in (None, weights_identity(c.path))}
+        report.rewritten = sorted({*report.rewritten, *rewritten})
         # In the results file before this call: not scored now, nor failed now (``done`` holds those too).
-        report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed})
-        return [c for c in ready if c.name not in done], [c.name for c in pending], settle
+        report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed, *rewritten})
+        return [c for c in ready if c.name not in done or c.name in rewritten], [c.name for c in pending], settle
 
     def begin(self, mine: list) -> None:
         """The checkpoints this process will score, in order (a run folder's need nothing fetched ahead)."""
@@ -364,6 +368,11 @@ def run_sweep(args: argparse.Namespace) -> None:
         f"{len(report.scored)} {kind} scored, {len(report.skipped)} already in {report.results_path}"
         + (f", {len(report.incomplete)} not complete" if report.incomplete else "")
         + (f", {len(report.vanished)} deleted before scoring" if report.vanished else "")
+        + (
+            f" ({len(report.rewritten)} saved again since, scored again: {', '.join(report.rewritten)})"
+            if report.rewritten
+            else ""
+        )
         + (f", {len(report.failed)} failed" if report.failed else "")
         + (" (interrupted)" if report.interrupted else "")
     )

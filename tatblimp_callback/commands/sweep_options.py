@@ -142,6 +142,7 @@ class SweepReport:
     skipped: list[str] = field(default_factory=list)  # already in the results file
     incomplete: list[str] = field(default_factory=list)  # not complete when the sweep ended
     vanished: list[str] = field(default_factory=list)  # deleted (checkpoint rotation) before being read
+    rewritten: list[str] = field(default_factory=list)  # saved again since their line was written: scored again
     failed: dict[str, str] = field(default_factory=dict)  # checkpoint -> why it could not be loaded or scored
     acquisition: dict[str, int | None] = field(default_factory=dict)
     interrupted: bool = False

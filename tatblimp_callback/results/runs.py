@@ -155,8 +155,8 @@ def without_replaced(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (``{name: old commit}``): that name leaves the earlier records of the old commit. A record keeps its place while
     any of its names is left (``main`` moved on from ``step1``'s commit: ``step1``'s line stays, without ``main``),
     and leaves the curve once none is (a re-upload: ``step2`` now names another commit, and nothing names the old
-    one). Records without names (a run folder's sweep, the callback's history) are kept as they are; the records
-    returned with fewer names are copies.
+    one). A run folder's sweep lines keep the latest of each checkpoint (one saved again in place is scored again);
+    the callback's history is kept as it is. The records returned with fewer names are copies.
     """
     kept: list[dict[str, Any] | None] = list(records)
     written: dict[str, list[int]] = {}  # commit -> the indices of its records written so far
@@ -169,7 +169,13 @@ def without_replaced(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     kept[earlier] = {**kept[earlier], "revisions": left} if left else None
         if record.get("commit"):
             written.setdefault(record["commit"], []).append(index)
-    return [record for record in kept if record is not None]
+    # A run folder's checkpoint scored again (saved again in place since, ``weights_files``): its latest line only
+    latest = {r["checkpoint"]: k for k, r in enumerate(records) if r.get("checkpoint") and not r.get("commit")}
+    return [
+        record
+        for k, record in enumerate(kept)
+        if record is not None and (not record.get("checkpoint") or record.get("commit") or latest[record["checkpoint"]] == k)
+    ]
 
 
 def _check_record(record: Any, where: str) -> None:
