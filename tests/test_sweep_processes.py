@@ -164,6 +164,18 @@ def test_one_process_goes_on_past_a_corrupt_checkpoint(one_process_sweep, one_pa
     assert len(lines(run / "tatblimp-failures.jsonl")) == 2 and len(lines(run / "tatblimp.jsonl")) == 3
 
 
+def test_a_failure_scored_later_leaves_the_failures_file(run_template, one_pair_each, bpe_tokenizer, tmp_path):
+    """The failures file kept a checkpoint that a later run scored, and a script reading it saw a failure."""
+    run = shutil.copytree(run_template, tmp_path / "run")
+    options = SweepOptions(data=str(one_pair_each), allow_modified=True, progress=False)
+    assert list(sweep(run, options).failed) == [CORRUPT]
+    shutil.rmtree(run / CORRUPT)
+    save_checkpoint(run / CORRUPT, bpe_tokenizer, 20)  # saved again, whole
+    assert sweep(run, options).scored == [CORRUPT]
+    assert (run / "tatblimp-failures.jsonl").read_text(encoding="utf-8") == ""
+    assert [r["checkpoint"] for r in lines(run / "tatblimp.jsonl")] == [f"checkpoint-{s}" for s in (10, 30, 40, 20)]
+
+
 def test_a_device_map_is_refused_on_several_processes(run_template, one_pair_each, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; refused before any process group is joined
     with pytest.raises(ValueError, match="device_map spreads one model over every device: sweep on one process"):

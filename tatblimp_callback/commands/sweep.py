@@ -28,6 +28,7 @@ from ..reading.option_types import non_negative_float
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from ..results.positions import readable
+from ..results.records_file import drop_records
 from ..results.runs import without_replaced
 from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
@@ -252,6 +253,9 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
                         stop = stop or value["error"]
                     elif kind == "scored":
                         append_sweep_record(results_path, value)
+                        drop_records(
+                            source.failures_path, lambda failure, name=checkpoint.name: failure.get("checkpoint") == name
+                        )
                         records.append(value)
                         done.add(checkpoint.name)
                         report.scored.append(checkpoint.name)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from ..reading.jsonl import read_complete_lines
 
 logger = logging.getLogger(__name__)
 
@@ -66,3 +69,18 @@ def append_record(path: str | os.PathLike, record: dict[str, Any], sync: bool = 
         if sync:
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def drop_records(path: str | os.PathLike, unwanted: Callable[[dict[str, Any]], bool]) -> int:
+    """``path`` written again without the records ``unwanted`` picks (a new file moved over it, so that a reader
+    sees the old one or the new one whole); how many were dropped. A missing file, or none picked: left as it is."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = read_complete_lines(path)
+    kept = [line for line in lines if not unwanted(json.loads(line))]
+    if len(kept) < len(lines):
+        fresh = path.with_name(f".{path.name}.new")
+        fresh.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        fresh.replace(path)
+    return len(lines) - len(kept)
