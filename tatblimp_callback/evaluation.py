@@ -252,7 +252,7 @@ class Evaluator:
             scorer = self.prepare(model)
         if not self._parts:  # a prebuilt cache: TatBLiMP alone
             logprobs, run_info = timed_score(scorer, weights=weights)
-            run_info["cache_bytes"] = scorer.cache.nbytes
+            run_info.update(cache_bytes=scorer.cache.nbytes, prefix_token_id=scorer.cache.prefix_token_id)
             results = compute_results(scorer.cache, logprobs, run_info, self._decide_exactly(scorer, logprobs, run_info))
             if self.include_tokens:
                 results.pair_tokens = pair_tokens(scorer.cache, scorer.token_logprobs(), self.tokenizer)
@@ -270,7 +270,7 @@ class Evaluator:
             chosen = [s for _, cache, start in parts for s in range(start, start + cache.num_sentences)]
             chosen += range(self._spans_start, scorer.cache.num_sentences) if self.spans else []
         logprobs, run_info = timed_score(scorer, chosen, weights)
-        run_info["cache_bytes"] = scorer.cache.nbytes
+        run_info.update(cache_bytes=scorer.cache.nbytes, prefix_token_id=scorer.cache.prefix_token_id)
         exact = self._decide_exactly(scorer, logprobs, run_info, chosen)
         if self.spans:
             span_logprobs = logprobs[self._spans_start :].tolist()

@@ -357,3 +357,22 @@ def test_a_checkpoint_saved_again_in_place_is_scored_again_and_its_new_line_is_t
     copy = shutil.copytree(run_dir, tmp_path / "copied", copy_function=shutil.copy)  # new modification times
     assert main([*command[:1], str(copy), *command[2:]]) == 0
     assert "0 checkpoint(s) scored, 3 already in" in capsys.readouterr().out
+
+
+def test_a_sweep_in_another_precision_does_not_join_the_curve(run_dir, small_data, bpe_tokenizer, capsys):
+    """``--precision bfloat16`` on a rerun appended its lines to a float32 curve with no word: a jump that the
+    precision made, read as the model's. Each line records its prefix token too."""
+    command = ["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--no-progress"]
+    assert main(command) == 0
+    lines = [json.loads(line) for line in (run_dir / "tatblimp.jsonl").read_text().splitlines()]
+    assert {(line["precision"], line["prefix_token_id"]) for line in lines} == {("float32", bpe_tokenizer.bos_token_id)}
+    save_checkpoint(run_dir / "checkpoint-40", bpe_tokenizer, seed=40)
+    capsys.readouterr()
+    assert main([*command, "--precision", "bfloat16"]) == 1
+    assert capsys.readouterr().err == (
+        f"tatblimp sweep: error: {run_dir / 'tatblimp.jsonl'}: checkpoint-40 was scored in bfloat16, its lines in "
+        "float32; one results file holds one curve: pass the same --dtype and --precision, or sweep into another file\n"
+    )
+    assert len((run_dir / "tatblimp.jsonl").read_text().splitlines()) == 3
+    assert main(command) == 0  # the same precision: it joins
+    assert len((run_dir / "tatblimp.jsonl").read_text().splitlines()) == 4

@@ -38,7 +38,7 @@ from .outputs import check_output_file, say
 from .placement import placement_options
 from .revision_sweep import RevisionSeries, add_revision_arguments, check_repo_id, default_results_path, revision_summary
 from .sweep_options import SweepOptions, SweepReport
-from .sweep_records import append_sweep_record, check_same_files, read_records
+from .sweep_records import append_sweep_record, check_same_files, other_settings, read_records
 
 if TYPE_CHECKING:  # torch.distributed comes with it: imported when a sweep runs, not for `tatblimp sweep --help`
     from .sweep_processes import SweepProcesses
@@ -251,6 +251,8 @@ def _sweep(source: Any, options: SweepOptions, records: list[dict[str, Any]], pr
                 for checkpoint, (kind, value) in sorted((o for o in outcomes or () if o[0] is not None), key=lambda o: o[0].step):
                     if kind == "stop":  # written after the round's other checkpoints, then every process stops
                         stop = stop or value["error"]
+                    elif kind == "scored" and (mixed := other_settings(records, value, results_path)):
+                        stop = stop or mixed  # not written: the lines before keep one setting
                     elif kind == "scored":
                         append_sweep_record(results_path, value)
                         drop_records(

@@ -82,3 +82,17 @@ def _same(theirs: tuple[str | None, str | None], ours: tuple[str | None, str | N
 def _describe(identity: tuple[str | None, str | None]) -> str:
     md5, fingerprint = identity
     return f"md5 {md5}, fingerprint {fingerprint}" if fingerprint else f"md5 {md5}"
+
+
+def other_settings(records: list[dict[str, Any]], record: dict[str, Any], path: Path) -> str | None:
+    """Why ``record`` does not belong on ``path``'s curve, or None: the scoring precision its lines' log-probs were
+    computed in (one results file holds one curve; a change of precision would read as the model's). The prefix
+    token is recorded (``prefix_token_id``) but may differ: a revision uploaded with other tokenizer files has its own."""
+    had = {line["precision"] for line in records if line.get("precision") is not None}
+    if had and record.get("precision") not in had:
+        return (
+            f"{path}: {record['checkpoint']} was scored in {record.get('precision')}, its lines in "
+            f"{', '.join(sorted(had))}; one results file holds one curve: pass the same --dtype and --precision, or "
+            "sweep into another file"
+        )
+    return None
