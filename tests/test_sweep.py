@@ -376,3 +376,23 @@ def test_a_sweep_in_another_precision_does_not_join_the_curve(run_dir, small_dat
     assert len((run_dir / "tatblimp.jsonl").read_text().splitlines()) == 3
     assert main(command) == 0  # the same precision: it joins
     assert len((run_dir / "tatblimp.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_second_sweep_of_a_run_being_swept_is_refused(run_dir, small_data, capsys):
+    """Two sweeps of one run folder at once (a ``--watch`` left running and a manual one) both scored and wrote every
+    checkpoint: each line twice."""
+    import os
+
+    from tatblimp_callback.results.records_file import sole_writer
+
+    results = run_dir / "tatblimp.jsonl"
+    command = ["sweep", str(run_dir), "--data", str(small_data), "--allow-modified", "--no-progress"]
+    with sole_writer(results) as busy:  # as the other sweep holds it
+        assert busy is None
+        assert main(command) == 1
+        assert capsys.readouterr().err == (
+            f"tatblimp sweep: error: {results}: process {os.getpid()} is writing it (another sweep of this run, a --watch "
+            "left running?); wait for it to end\n"
+        )
+        assert not results.exists()
+    assert main(command) == 0 and len(results.read_text().splitlines()) == 3  # let go: the next sweep writes

@@ -15,6 +15,7 @@ written to ``RUN_DIR/tatblimp-failures.jsonl`` and left for the next run; the ot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ from ..reading.option_types import non_negative_float
 from ..reading.suites import add_suite_arguments, parse_suite_option
 from ..results.curves import acquisition_steps, add_acquisition_arguments, flat_record, history_from_records
 from ..results.positions import readable
-from ..results.records_file import drop_records
+from ..results.records_file import drop_records, sole_writer
 from ..results.runs import without_replaced
 from .backends import backend_options
 from .checkpoint_scoring import CheckpointScorer, score_or_failure
@@ -133,7 +134,11 @@ def sweep(source: str | os.PathLike, options: SweepOptions | None = None, *, rev
         else:
             series = _RunFolder(Path(source), options, device)
         try:
-            report = _sweep(series, options, read_records(series.results_path), processes)
+            with sole_writer(series.results_path) if processes.is_first else contextlib.nullcontext() as busy:
+                busy = processes.from_first(busy)  # process 0's answer, on every process
+                if busy:
+                    raise SweepError(busy)
+                report = _sweep(series, options, read_records(series.results_path), processes)
         except BaseException:
             series.close(wait=False)  # Ctrl-C, an error: not held up by a download
             raise

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,3 +85,33 @@ def drop_records(path: str | os.PathLike, unwanted: Callable[[dict[str, Any]], b
         fresh.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         fresh.replace(path)
     return len(lines) - len(kept)
+
+
+@contextmanager
+def sole_writer(path: str | os.PathLike) -> Iterator[str | None]:
+    """Within the block, this process is the one writer of ``path``: an advisory lock on ``.NAME.lock`` beside it,
+    which the system lets go when the process ends, however it ends. Yields None, or why not: another process holds
+    it (two sweeps of one run folder, a ``--watch`` left running, would score and write every checkpoint twice)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks of this kind, no check
+        yield None
+        return
+    lock = Path(path).with_name(f".{Path(path).name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            yield f"{path}: {holder} is writing it (another sweep of this run, a --watch left running?); wait for it to end"
+            return
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        try:
+            yield None
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
