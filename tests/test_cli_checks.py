@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 import subprocess
@@ -208,6 +209,19 @@ def test_compare_refuses_pairing_results_of_different_selections(results_files, 
         "(--no-paired shows them side by side)"
     )
     assert main(["compare", str(single), str(whole), "--no-paired"]) == 0
+    assert (  # side by side: said to be over other pairs (only another file was noted)
+        f"note: the runs were scored on different pairs of the file (b: {selection}; whole: all pairs); side by side only"
+        in capsys.readouterr().out
+    )
+    # The report's header named the first run's benchmark for every run.
+    other = tmp_path / "other.json"
+    record = json.loads(single.read_text())
+    other.write_text(json.dumps({**record, "benchmark": {**record["benchmark"], "release": "modified (md5 0123)"}}))
+    assert main(["report", str(single), str(other), "--no-paired", "--output", str(tmp_path / "r.html")]) == 0
+    header = (tmp_path / "r.html").read_text(encoding="utf-8").split('<div class="meta">', 1)[1].split(" · ")[0]
+    assert html.unescape(header) == (
+        f"the runs' benchmarks differ: b: {record['benchmark']['release']}; other: modified (md5 0123)"
+    )
 
 
 def test_options_that_would_do_nothing_are_refused(model_dir, results_files, tmp_path, monkeypatch, capsys):

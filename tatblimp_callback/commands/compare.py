@@ -140,6 +140,10 @@ def _notes(comparison: Comparison) -> list[str]:
     md5s = {run.record.get("benchmark", {}).get("md5") for run in comparison.runs}
     if len(md5s) > 1:
         notes.append("note: the runs were scored on different benchmark files; their numbers are not comparable")
+    selections = {run.record.get("selection") for run in comparison.runs}
+    if len(md5s) == 1 and len(selections) > 1:
+        each = "; ".join(f"{run.label}: {run.record.get('selection') or 'all pairs'}" for run in comparison.runs)
+        notes.append(f"note: the runs were scored on different pairs of the file ({each}); side by side only")
     if comparison.tests:
         notes.append(
             f"[low, high]: 95% Wilson interval. *: differs from {comparison.baseline.label} at {ALPHA} in an exact McNemar "

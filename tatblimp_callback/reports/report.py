@@ -254,7 +254,10 @@ def build_report(
         paired: test the runs against the first pair by pair (``--no-paired``: side by side only).
     """
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    release = runs[0].record.get("benchmark", {}).get("release", "?")
+    releases = {run.label: run.record.get("benchmark", {}).get("release", "?") for run in runs}
+    release = next(iter(releases.values()))
+    if len(set(releases.values())) > 1:  # side by side (--no-paired): each run's own, not the first's for all
+        release = "the runs' benchmarks differ: " + "; ".join(f"{label}: {each}" for label, each in releases.items())
     body = [f"<h1>{escape(title)}</h1>", f'<div class="meta">{escape(release)} · written {created} by tatblimp report</div>']
     overview = [
         [
