@@ -167,7 +167,7 @@ def run_score(args: argparse.Namespace) -> None:
         raise ValueError(f"{option}: the forced-choice protocol's; give --protocol forced-choice (log-probs use no prompt)")
     inputs = [args.data or os.environ.get("TATBLIMP_DATA"), *args.suite, args.prompt_file]
     check_output_file(args.output, "--output", [*inputs, args.results])
-    check_output_file(args.results, "--results", inputs)
+    check_output_file(args.results, "--results", inputs, appends=True)
     if args.endpoint is None and not args.model and (args.protocol == "forced-choice" or args.model_name):
         args.endpoint = os.environ.get("OPENAI_BASE_URL") or None  # as the openai client does
     given = [option for option, value in (("--results", args.results), ("--extra-body", args.extra_body)) if value]

@@ -149,6 +149,23 @@ def test_an_output_that_is_one_of_the_commands_inputs_is_refused_and_the_input_k
     assert data.read_bytes() == DATA.read_bytes() and run.read_text(encoding="utf-8") == '{"not": "read"}\n'
 
 
+def test_an_output_on_a_runs_evaluations_is_refused(tmp_path, capsys):
+    """``score --output runs/x/tatblimp.jsonl`` replaced a sweep's lines with one JSON document: the records were
+    lost and the next sweep could not read the file."""
+    sweep_lines = tmp_path / "tatblimp.jsonl"
+    lines = '{"step": 10, "checkpoint": "checkpoint-10", "acc": 0.5, "acc_norm": 0.5}\n{"step": 20, "acc_norm": 0.6}\n'
+    sweep_lines.write_text(lines, encoding="utf-8")
+    for args, option in (
+        (["score", "no-model", "--data", str(DATA), "--output", str(sweep_lines)], "--output"),
+        (["compare", str(tmp_path / "a.json"), "--json", str(sweep_lines)], "--json"),
+    ):
+        assert error_of(args, capsys) == (
+            f"{option} {sweep_lines}: holds the evaluations of a run (a sweep's or a history file's JSON lines, with "
+            "steps), which writing it would replace; give another file name"
+        )
+    assert sweep_lines.read_text(encoding="utf-8") == lines
+
+
 def test_files_an_option_names_are_named_when_they_cannot_be_read_or_written(tmp_path, capsys):
     """``--prompt-file nosuch.txt`` was ``[Errno 2] No such file or directory: 'nosuch.txt'``, a full disk
     ``[Errno 28] No space left on device``, neither naming the option or the file; a prompt given to the log-prob

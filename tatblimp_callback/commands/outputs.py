@@ -8,6 +8,7 @@ print is dropped, and the command goes on and exits 0.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -16,12 +17,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def check_output_file(path: str | os.PathLike | None, option: str, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+def check_output_file(
+    path: str | os.PathLike | None, option: str, inputs: Iterable[str | os.PathLike | None] = (), appends: bool = False
+) -> None:
     """Raise ValueError, naming ``option``, when ``path`` cannot be written: a folder, under a file, a folder
     that cannot be created or written in (``/proc/x/out.json``, a read-only mount), or one of the command's ``inputs``
     (given as on its command line: ``PATH``, a suite's ``NAME=PATH``, a run's ``PATH@STEP``), which writing would destroy.
 
-    It tries: the missing folders on the way are made, a probe file is written in the last one, and both are
+    A file that holds a run's evaluations (a sweep's or a history's lines) is refused too, unless the command
+    ``appends`` to it. It tries: the missing folders on the way are made, a probe file is written in the last one, and both are
     removed again, so a command that fails later leaves nothing behind. None: nothing to check.
     """
     if path is None:
@@ -34,6 +38,11 @@ def check_output_file(path: str | os.PathLike | None, option: str, inputs: Itera
             raise ValueError(f"{option} {path}: the same file as the input {given}, which writing it would destroy")
     if path.is_dir():
         raise ValueError(f"{option} {path}: a folder; give a file name")
+    if not appends and _holds_evaluations(path):
+        raise ValueError(
+            f"{option} {path}: holds the evaluations of a run (a sweep's or a history file's JSON lines, with steps), "
+            "which writing it would replace; give another file name"
+        )
     existing = path.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -53,6 +62,17 @@ def check_output_file(path: str | os.PathLike | None, option: str, inputs: Itera
     finally:
         for made_folder in reversed(made):
             made_folder.rmdir()
+
+
+def _holds_evaluations(path: Path) -> bool:
+    """Whether ``path`` is a file whose first line is one evaluation's record (``{"step": ..., "acc_norm": ...}``): a
+    sweep's results, a callback's history. No command writes one whole, so none may replace one."""
+    try:
+        with path.open("rb") as handle:
+            first = json.loads(handle.readline(1 << 22))
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and "step" in first and "acc_norm" in first
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

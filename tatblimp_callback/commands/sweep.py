@@ -364,9 +364,9 @@ def run_sweep(args: argparse.Namespace) -> None:
     options.max_memory = placement["max_memory"]
     options.vllm_options = backend_options(args).get("vllm_options")
     if options.revisions:  # the results file is written after the first model loads: checked before it
-        check_output_file(options.results or default_results_path(args.run_dir), "--results")
+        check_output_file(options.results or default_results_path(args.run_dir), "--results", appends=True)
     elif Path(args.run_dir).is_dir():
-        check_output_file(Path(args.run_dir) / RESULTS_FILE, "the results file")
+        check_output_file(Path(args.run_dir) / RESULTS_FILE, "the results file", appends=True)
     report = sweep(args.run_dir, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return  # process 0 reports for all
