@@ -14,7 +14,7 @@ from test_report_where_features_meet import history
 
 
 def listed(html: str, metric: str) -> list[tuple[int, str]]:
-    """(pair index, its <li>) of every lost and learned list of ``metric``."""
+    """(pair index in the file, its <li>) of every lost and learned list of ``metric``."""
     blocks = re.findall(rf'<div class="flips" [^>]*data-metric="{metric}">(.*?)</ul></details></div>', html, re.S)
     return [(int(i), item) for block in blocks for i, item in re.findall(r'<li data-pair="(\d+)">(.*?)</li>', block, re.S)]
 
@@ -27,7 +27,8 @@ def test_the_acc_norm_lists_give_the_per_byte_margin(model_dir, bpe_tokenizer, t
     report = tmp_path / "report.html"
     assert main(["report", str(runs), "--output", str(report), "--model", str(model_dir), "--device", "cpu"]) == 0
     html = report.read_text(encoding="utf-8")
-    scored = evaluate(load_model(model_dir, "cpu"), bpe_tokenizer, chosen).pairs
+    in_file_order = evaluate(load_model(model_dir, "cpu"), bpe_tokenizer, chosen).pairs
+    scored = dict(zip(chosen.file_indices, in_file_order))  # the page names a pair by its index in the file
 
     # The pairs shown token by token (report_pairs: the first of each list and kind).
     by_bytes = [(i, item) for i, item in listed(html, "acc_norm") if 'class="meta"' in item]

@@ -76,11 +76,11 @@ def test_report_model_scores_the_selections_own_pairs(model_dir, bpe_tokenizer, 
     report = tmp_path / "report.html"
     assert main(["report", str(runs), "--output", str(report), "--model", str(model_dir), "--device", "cpu"]) == 0
     html = report.read_text(encoding="utf-8")
-    scored = evaluate(load_model(model_dir, "cpu"), bpe_tokenizer, chosen)
+    scored = dict(zip(chosen.file_indices, evaluate(load_model(model_dir, "cpu"), bpe_tokenizer, chosen).pairs))
     shown = re.findall(r'<li data-pair="(\d+)">(.*?)</li>', html, re.S)
     assert shown
-    for index, item in shown:
-        pair = scored.pairs[int(index)]
+    for index, item in shown:  # named by its index in the file, as explain --pair takes it
+        pair = scored[int(index)]
         assert f"good: {pair.good}" in item  # before: the whole file's pair at that index
         margin = re.search(r"margin ([-+]\d+\.\d+) nats", item)
         if margin:  # the token view: the selection's pair scored, not the file's pair at that index
