@@ -176,6 +176,25 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     out["failure_before"] = outcome(lambda: failing_prepare(evaluator, "prepare")(model))
     out["evaluator_after_failure"] = [p.good_logprob for p in evaluator(model).pairs]
 
+    # A first evaluation's method check: a failure in one method's readout on rank 1 (its first batch) rules that
+    # method out on both ranks, which go on in step to the next; one in rank 1's plain forward ends it on both.
+    restore = fail_on(rank=1, call=1)
+    checked = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET)
+    out["readout_failure_scores"] = outcome(checked.score)
+    out["readout_failure_method"] = str(checked.method)
+    restore()
+    once = [dist.get_rank() == 1]
+
+    def plain_forward_fails(module, args, kwargs):
+        if once[0]:
+            once[0] = False
+            raise Injected("plain forward failed on rank 1")
+
+    hook = model.register_forward_pre_hook(plain_forward_fails, with_kwargs=True)
+    out["plain_forward_failure"] = outcome(Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score)
+    hook.remove()
+    out["after_plain_forward_failure"] = Scorer(model, cache, row_length=ROW, memory_budget=BUDGET).score()
+
     memory_budget.MIN_MEMORY_BUDGET = BUDGET // 4  # let the retry go below the library's floor
     restore = fail_on(rank=0, call=3, error=torch.OutOfMemoryError)
     oom_scorer = Scorer(model, cache, row_length=ROW, memory_budget=2 * BUDGET, method=scorer.method)

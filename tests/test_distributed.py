@@ -161,6 +161,21 @@ def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
 
 
 @pytest.mark.slow
+def test_a_failure_on_one_rank_in_the_first_method_check_keeps_both_in_step(scorer_run):
+    """Before, the failing rank took its error for the method's and went on to the next method alone, the other
+    stayed in the readout's collectives: gloo aborted the job (SIGABRT) at the first evaluation."""
+    ranks, _ = scorer_run
+    fastest = ranks[0]["method"]  # what the same model is scored with where nothing fails
+    assert ranks[0]["readout_failure_method"] == ranks[1]["readout_failure_method"] != fastest  # ruled out on both
+    for out in ranks:
+        assert torch.allclose(out["readout_failure_scores"], out["one_process"], rtol=1e-5, atol=1e-4)
+    assert ranks[1]["plain_forward_failure"] == "Injected: plain forward failed on rank 1"
+    assert ranks[0]["plain_forward_failure"] == "PeerFailure: tatblimp: scoring failed on process 1; see its log"
+    for out in ranks:  # in step after it: the next evaluation is one process's, bit for bit
+        assert torch.equal(out["after_plain_forward_failure"], out["one_process"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["sentences", "forced_choice"])
 def test_fsdp2_model_is_scored_with_its_own_forward_in_lockstep(scorer_run, protocol):
     ranks, _ = scorer_run

@@ -110,7 +110,11 @@ class MethodCheck:
     def choose(self, reference: torch.Tensor | None = None) -> ScoringMethod:
         """The fastest method whose readout matches a plain forward on the sample."""
         if reference is None:
-            reference = self._reference()
+            # Every process's plain forward, or all stop here: a failure met inside the readouts below reads as that
+            # method's, and the other processes would go on to the next method without the one that failed.
+            with distributed.shared_failures():
+                reference = self._reference()
+            distributed.check_in()
         heads = self.heads()
         if not torch.isfinite(reference).any():
             # A diverged model leaves nothing to compare: use the fastest method for now and check

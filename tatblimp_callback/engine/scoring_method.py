@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import distributed
 from .model_checks import relative_change, tree_mask_dtype
 
 logger = logging.getLogger(__name__)
@@ -87,13 +88,16 @@ def first_matching_method(
     """The fastest method for which ``matches(method)`` holds (layouts fastest first, then ``heads``), or None.
 
     A method that raises (an attention that rejects a 4D mask, say) does not match, unless it is
-    the last resort, padded rows, whose error is the model's own.
+    the last resort, padded rows, whose error is the model's own. Under ``torch.distributed`` the error is announced
+    to the other processes at their next check-in (``distributed.shared_failures``), so that the method fails on all
+    of them and they try the next one in step; kept to itself, it left them in other collectives (a gloo abort).
     """
     for layout in layouts_to_try(lm):
         for head in heads:
             method = ScoringMethod(layout, head)
             try:
-                matched = matches(method)
+                with distributed.shared_failures():
+                    matched = matches(method)
             except (RuntimeError, ValueError, TypeError, IndexError) as error:
                 if isinstance(error, torch.OutOfMemoryError) or layout == "padded":
                     raise
