@@ -326,6 +326,20 @@ class Results:
         return columns, rows
 
 
+def subtype_groups(
+    phenomenon_index: np.ndarray, subtype_index: np.ndarray, phenomena: list[str], subtypes: list[str]
+) -> tuple[np.ndarray, list[str]]:
+    """Each pair's subtype group (-1: none) and the groups' names, in name order: the subtype's label, or
+    ``phenomenon/label`` where the label is found under several phenomena (TatBLiMP's ``past``, of passives and of
+    suspended_affixation), so that a group never pools two phenomena's pairs."""
+    kinds = sorted({(int(p), int(s)) for p, s in zip(phenomenon_index, subtype_index) if s >= 0})
+    shared = {s for _, s in kinds if sum(t == s for _, t in kinds) > 1}
+    name = {(p, s): f"{phenomena[p]}/{subtypes[s]}" if s in shared else subtypes[s] for p, s in kinds}
+    names = sorted(name.values())
+    group = {kind: names.index(label) for kind, label in name.items()}
+    return np.array([group.get((int(p), int(s)), -1) for p, s in zip(phenomenon_index, subtype_index)]), names
+
+
 def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | None = None, rescored=None) -> Results:
     """Metrics from per-sentence log-probs in cache order (sentence 2*i good, 2*i+1 bad). ``rescored``: ``(log-probs,
     pairs)`` from ``exact_decisions``, the pairs (a boolean per pair) decided by those log-probs (float32) instead."""
@@ -346,7 +360,7 @@ def compute_results(cache: SentenceCache, logprobs, run_info: dict[str, Any] | N
     return Results(
         overall=overall,
         phenomena=phenomena,
-        subtypes=grouped(group, subtype_index, cache.subtypes)[1],
+        subtypes=grouped(group, *subtype_groups(phenomenon_index, subtype_index, cache.phenomena, cache.subtypes))[1],
         pairs=[
             PairResult(
                 good_logprob=float(good[i]),
