@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -28,7 +29,10 @@ from .results.metrics import Results, compute_results
 from .results.provenance import provenance
 from .results.token_results import pair_tokens
 from .tokenized.cache import SentenceCache, build_cache, concat_caches
+from .tokenized.edit_tokens import kept_bytes
 from .tokenized.tokenization import check_prefix_token_id, check_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Evaluator:
@@ -281,6 +285,8 @@ class Evaluator:
             cut = [s - start for s in scorer.cache.truncated if start <= s < end]
             # Token counts as scored: a sentence cut to the model's context counts its kept tokens.
             scored = replace(cache, truncated=cut, _host_lengths=scorer.cache.lengths[start:end])
+            if cut:  # per byte of the text scored: the kept tokens' (acc_norm of a pair cut before its edit ties)
+                scored = replace(scored, byte_lengths=self._scored_bytes(scored, scorer.cache, start))
             rescored = exact and (exact[0][start:end], exact[1][start // 2 : end // 2])
             part = compute_results(scored, logprobs[start:end], run_info, rescored)
             if name is None:
@@ -301,6 +307,21 @@ class Evaluator:
                 part.left_out = [dict(entry) for entry in self.suites[name].left_out]
                 results.suites[name] = part
         return results
+
+    def _scored_bytes(self, part: SentenceCache, fused: SentenceCache, start: int) -> torch.Tensor:
+        """``part``'s byte lengths, those of its cut sentences (``part.truncated``) the bytes their kept tokens
+        cover; the whole sentences' where the tokenizer gives no character offsets (said once)."""
+        kept = [fused.sentence(start + s)[1:] for s in part.truncated]  # after the prefix token
+        texts = [part.sentences[s] for s in part.truncated]
+        found = None if self.tokenizer is None else kept_bytes(self.tokenizer, texts, kept)
+        if found is None:
+            logger.warning(
+                "tatblimp: no character offsets from this tokenizer: acc_norm of a cut sentence divides by its whole bytes"
+            )
+            return part.byte_lengths
+        byte_lengths = part.byte_lengths.clone()
+        byte_lengths[part.truncated] = torch.tensor(found, dtype=byte_lengths.dtype)
+        return byte_lengths
 
     def _decide_exactly(self, scorer, logprobs, run_info, sequences=None) -> tuple | None:
         """``(log-probs, rescored pairs)`` to decide by (``exact_decisions.decide_exactly``), recorded in ``run_info``."""

@@ -171,6 +171,31 @@ def test_too_long_sentence_is_an_error_or_counted_truncation(bpe_tokenizer, cach
     assert max(p.good_tokens for p in results.pairs) == 19
 
 
+def test_a_cut_sentence_is_normalised_by_the_bytes_it_was_scored_on(bpe_tokenizer, tmp_path):
+    """``truncate=True``: acc_norm divided the kept tokens' log-prob by the whole sentence's bytes, so a pair cut
+    before its edit (the same tokens scored for both) was decided by the length of text the model never saw."""
+    from conftest import write_pairs
+
+    head = "Бу бик озын җөмлә, анда күп сүзләр бар һәм ул модельнең контекстыннан озынрак. " * 2  # noqa: RUF001 (Tatar text)
+    data = write_pairs(
+        tmp_path / "cut.jsonl",
+        [
+            {"good": head + "Мин китапларны укыйм.", "bad": head + "Мин китап укыйм.", "phenomenon": "good_longer"},
+            {"good": head + "Мин китап укыйм.", "bad": head + "Мин китапларны укыйм.", "phenomenon": "bad_longer"},
+        ],
+    )
+    results = evaluate(
+        tiny_llama(len(bpe_tokenizer), max_position_embeddings=16), bpe_tokenizer, data, allow_modified=True, truncate=True
+    )
+    encoded = bpe_tokenizer(head, add_special_tokens=False, return_offsets_mapping=True)
+    covered = len(head[: encoded["offset_mapping"][14][1]].encode("utf-8"))  # the first 15 tokens, after the prefix
+    for pair in results.pairs:
+        assert (pair.good_tokens, pair.bad_tokens) == (15, 15) and pair.good_logprob == pair.bad_logprob
+        assert pair.good_bytes == pair.bad_bytes == covered < len(head.encode("utf-8"))
+        assert not pair.passed and not pair.passed_norm  # a tie fails, per byte too
+    assert results.truncated_sentences == 4 and results.acc_norm == 0.0
+
+
 @pytest.mark.parametrize("family", [pytest.param("gemma2", marks=pytest.mark.slow), "phi"])
 def test_soft_capped_logits_and_a_head_with_bias(bpe_tokenizer, cache, family):
     """Gemma 2 caps its logits (30 tanh(x / 30)); Phi's LM head has a bias: the tiled head does both."""

@@ -94,6 +94,22 @@ def token_spans(tokenizer: Any, sentences: Sequence[str], expected: Sequence[Seq
     return result
 
 
+def kept_bytes(tokenizer: Any, texts: Sequence[str], kept_ids: Sequence[Sequence[int]]) -> list[int] | None:
+    """UTF-8 bytes of each text up to the end of its last kept token (``kept_ids``: its first tokens, a sentence cut
+    to a model's context): the text its log-prob covers. None where the tokenizer gives no character offsets, or its
+    tokens are not the kept ones."""
+    try:
+        found = token_spans(tokenizer, texts)
+    except TokenizationError:
+        return None
+    if any(spans.ids[: len(ids)] != list(ids) for spans, ids in zip(found, kept_ids)):
+        return None
+    return [
+        len(text[: spans.spans[len(ids) - 1][1]].encode("utf-8")) if ids else 0
+        for text, spans, ids in zip(texts, found, kept_ids)
+    ]
+
+
 def _kept(ids: Sequence[int], special: set[int]) -> slice:
     """The ids ``encode_plain`` keeps: a special token at either end taken off."""
     return slice(1 if ids and ids[0] in special else 0, len(ids) - 1 if len(ids) > 1 and ids[-1] in special else len(ids))
