@@ -222,8 +222,13 @@ class Evaluator:
         self._scorer = None
 
     def _region_surprisal(self, records, model, cache) -> None:
-        """With ``include_tokens``: each pair's critical-region surprisal (``engine/word_surprisal.py``), a pass of its own."""
-        if self.tokenizer is None or not isinstance(model, torch.nn.Module) or distributed.world()[1] > 1:
+        """With ``include_tokens``: each pair's critical-region surprisal (``engine/word_surprisal.py``), a pass of its
+        own, run by every process alike (the unwrapped model's forward holds no collective); not for a model sharded
+        over the processes (FSDP, ZeRO-3), whose forward is one, and which the pass's calls would leave out of step."""
+        if self.tokenizer is None or not isinstance(model, torch.nn.Module):
+            return
+        if distributed.world()[1] > 1 and distributed.is_sharded(model):
+            logger.warning("tatblimp: no critical-region surprisal for a model sharded over processes (FSDP, ZeRO-3)")
             return
         add_region_surprisal(records, unwrap_model(model), cache, self.tokenizer)  # in scoring_mode, as every pass
 
@@ -289,24 +294,32 @@ class Evaluator:
                 scored = replace(scored, byte_lengths=self._scored_bytes(scored, scorer.cache, start))
             rescored = exact and (exact[0][start:end], exact[1][start // 2 : end // 2])
             part = compute_results(scored, logprobs[start:end], run_info, rescored)
+            if self.include_tokens:  # TatBLiMP's and each suite's, from their sentences of the fused cache
+                part.pair_tokens = self._pair_tokens(scorer, model, cache, start)
             if name is None:
                 results = part
-                if self.include_tokens:  # TatBLiMP's own pairs: the first sentences of the fused cache
-                    n = cache.num_sentences
-                    own = replace(
-                        scorer.cache,
-                        token_ids=scorer.cache.token_ids[: int(scorer.cache.offsets[n])],
-                        offsets=scorer.cache.offsets[: n + 1],
-                        _host_lengths=None,
-                    )
-                    results.pair_tokens = pair_tokens(own, scorer.token_logprobs()[:n], self.tokenizer)
-                    self._region_surprisal(results.pair_tokens, model, replace(own, sentences=cache.sentences))
                 if isinstance(self.data, Suite):  # a suite scored alone
                     results.left_out = [dict(entry) for entry in self.data.left_out]
             else:
                 part.left_out = [dict(entry) for entry in self.suites[name].left_out]
                 results.suites[name] = part
         return results
+
+    def _pair_tokens(self, scorer, model, part: SentenceCache, start: int) -> list:
+        """``include_tokens``' records of the pairs of ``part``, whose sentences start at ``start`` in the scorer's
+        fused cache, with their critical-region surprisal."""
+        end = start + part.num_sentences
+        first = int(scorer.cache.offsets[start])
+        own = replace(
+            scorer.cache,
+            token_ids=scorer.cache.token_ids[first : int(scorer.cache.offsets[end])],
+            offsets=scorer.cache.offsets[start : end + 1] - first,
+            sentences=part.sentences,
+            _host_lengths=None,
+        )
+        records = pair_tokens(own, scorer.token_logprobs()[start:end], self.tokenizer)
+        self._region_surprisal(records, model, own)
+        return records
 
     def _scored_bytes(self, part: SentenceCache, fused: SentenceCache, start: int) -> torch.Tensor:
         """``part``'s byte lengths, those of its cut sentences (``part.truncated``) the bytes their kept tokens

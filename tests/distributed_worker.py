@@ -138,7 +138,11 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     ]
     bf16 = tiny_llama(len(tokenizer)).to(torch.bfloat16)
     out["bf16_one_process"] = exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16))
+    small = workdir / "small.jsonl"
+    with_tokens = dict(allow_modified=True, include_tokens=True, memory_budget=BUDGET)
+    out["regions_one_process"] = [p.critical_region_bits for p in Evaluator(tokenizer, small, **with_tokens)(model).pair_tokens]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    out["regions_sharded"] = [p.critical_region_bits for p in Evaluator(tokenizer, small, **with_tokens)(model).pair_tokens]
     # Exact decisions under DDP: the same close pairs on both ranks, rescored in lockstep.
     out["bf16_sharded"] = exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16))
 

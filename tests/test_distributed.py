@@ -161,6 +161,15 @@ def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
 
 
 @pytest.mark.slow
+def test_include_tokens_gives_the_critical_region_on_every_process(scorer_run):
+    """Under torch.distributed every pair's critical_region_tokens and _bits were None, with no word."""
+    ranks, _ = scorer_run
+    assert sum(bits is not None for bits in ranks[0]["regions_one_process"]) > 0
+    for out in ranks:
+        assert out["regions_sharded"] == out["regions_one_process"]
+
+
+@pytest.mark.slow
 def test_a_failure_on_one_rank_in_the_first_method_check_keeps_both_in_step(scorer_run):
     """Before, the failing rank took its error for the method's and went on to the next method alone, the other
     stayed in the readout's collectives: gloo aborted the job (SIGABRT) at the first evaluation."""

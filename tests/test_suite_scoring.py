@@ -91,6 +91,20 @@ def test_tatblimp_and_a_suite_in_one_pass_give_each_the_log_probs_it_gets_alone(
         evaluator(model, suites=["nope"])
 
 
+def test_include_tokens_gives_a_suites_pairs_their_tokens_too(model, bpe_tokenizer, suite_folder, small_data):
+    """``include_tokens=True`` with a suite: its pairs had none of the token fields (TatBLiMP's only), with no word;
+    the docs say a suite's results have the same keys."""
+    fused = Evaluator(bpe_tokenizer, small_data, allow_modified=True, suites={"blimp": suite_folder}, include_tokens=True)(model)
+    alone = evaluate(model, bpe_tokenizer, load_suite("blimp", suite_folder), include_tokens=True)
+    record, alone_record = fused.to_dict()["suites"]["blimp"], alone.to_dict()
+    assert len(record["pairs"]) == 79 and record.keys() >= {"edit_margins", "critical_region_surprisal"}
+    for pair, by_itself in zip(record["pairs"], alone_record["pairs"]):
+        assert pair["good_tokens_text"] == by_itself["good_tokens_text"] and pair["edit"] == by_itself["edit"]
+        assert sum(pair["good_token_logprobs"]) == pytest.approx(pair["good_logprob"], abs=1e-4)
+        assert pair["critical_region_tokens"] == by_itself["critical_region_tokens"]
+    assert "good_token_logprobs" in fused.to_dict()["pairs"][0]  # TatBLiMP's as before
+
+
 @pytest.mark.slow
 def test_one_batch_at_a_time_and_peak_memory_within_the_budget(model, bpe_tokenizer, small_data, tmp_path):
     """The rows of a layout are kept, never its batches: one forward call's batch exists at a time, so the

@@ -142,6 +142,11 @@ def test_a_column_mapping_for_other_layouts(tmp_path):
     columns = parse_columns("good=SENT_OK,bad=SENT_BAD,phenomenon=CAT")
     (pair,) = load_suite("mine", file, columns).pairs
     assert (pair.good, pair.bad, pair.phenomenon, pair.subtype) == ("A cat sleeps.", "A cat sleep.", "agreement", "mine")
+    # A role the mapping leaves out is read from its usual field: the rows' own phenomenon and subtype (before, every
+    # pair went under the file's name).
+    file = write(tmp_path / "mycols.jsonl", '{"ok": "A b.", "nok": "A c.", "phenomenon": "agreement", "subtype": "number"}\n')
+    (pair,) = load_suite("mine", file, parse_columns("good=ok,bad=nok")).pairs
+    assert (pair.good, pair.bad, pair.phenomenon, pair.subtype) == ("A b.", "A c.", "agreement", "number")
     with pytest.raises(ValueError, match="unknown role 'sentence'"):
         parse_columns("good=A,bad=B,sentence=C")
     with pytest.raises(ValueError, match="needs good= and bad="):

@@ -246,16 +246,17 @@ def _table_records(text: str, file: Path):
 
 
 def _pair(record: dict, file: Path, where: str, columns: dict[str, str] | None) -> Pair:
+    # A role the mapping leaves out is read from its known field names, as without a mapping
+    phenomenon_key = next((f for f in PHENOMENON_FIELDS if f in record), None)
+    subtype_key = next((f for f in SUBTYPE_FIELDS if f in record), None)
     if columns is not None:
         good_key, bad_key = columns["good"], columns["bad"]
-        phenomenon_key, subtype_key = columns.get("phenomenon"), columns.get("subtype")
+        phenomenon_key, subtype_key = columns.get("phenomenon", phenomenon_key), columns.get("subtype", subtype_key)
     else:
         good_key, bad_key = next(((g, b) for g, b in SENTENCE_FIELDS if g in record or b in record), (None, None))
         if good_key is None:
             expected = "; ".join(f"{g}/{b}" for g, b in SENTENCE_FIELDS)
             raise BenchmarkError(f"{where}: no sentence fields (expected one of {expected}, or a column mapping)")
-        phenomenon_key = next((f for f in PHENOMENON_FIELDS if f in record), None)
-        subtype_key = next((f for f in SUBTYPE_FIELDS if f in record), None)
     good, bad = (_text(record, key, where, required=True) for key in (good_key, bad_key))
     phenomenon = _text(record, phenomenon_key, where, required=phenomenon_key is not None)
     subtype = _text(record, subtype_key, where, required=False)
