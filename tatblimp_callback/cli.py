@@ -39,7 +39,7 @@ from .commands.sweep import add_sweep_parser
 from .commands.tokenizers import add_tokenizers_parser
 from .harness.command import add_harness_parsers
 from .reading.option_types import json_object, natural_int, positive_float, positive_int
-from .reading.suites import add_suite_arguments, suites_from_args
+from .reading.suites import add_suite_arguments, benchmark_and_suites
 from .reports.report_command import add_report_parser
 
 VERBOSE_HELP = "log what the scorer decides, and show a failure's traceback"
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit",
         type=positive_int,
         metavar="N",
-        help="score only the first N pairs of each phenomenon (a quick run; marked partial where it leaves pairs out)",
+        help="score only the first N pairs of each phenomenon, of TatBLiMP and of each --suite (a quick run; marked partial "
+        "where it leaves pairs out)",
     )
     score.add_argument(
         "--phenomena",
@@ -105,14 +106,9 @@ def evaluate_from_args(args: argparse.Namespace, model_dir: str):
     tokenizer_source(model_dir, args.tokenizer)  # checks the paths first, loading nothing (not even torch)
     from .commands.backends import backend_options
     from .evaluation import evaluate
-    from .reading.data import load_benchmark
     from .tokenized.tokenization import check_sentencepiece_mismatch
 
-    suites = suites_from_args(args)
-    if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place
-        benchmark = suites.pop(next(iter(suites))).select(args.limit, args.phenomena)
-    else:
-        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
+    benchmark, suites = benchmark_and_suites(args)
     source, tokenizer, model = load_from_args(args, model_dir)
     # A folder with a raw tokenizer.model: warn if the converted tokenizer's ids differ from it.
     mismatches = None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARED, tiny_llama
+from conftest import DATA, SHARED, tiny_llama
 from tatblimp_callback.cli import main
 
 IDENTICAL_LINE = 25  # passive_1.jsonl line 325 of BLiMP, an identical pair, is line 25 of the copy
@@ -202,3 +202,12 @@ def test_suites_only_takes_limit_and_phenomena_and_is_marked_partial(model_dirs,
     assert main([*common, "--phenomena", "island_effects", "--output", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["n"] == 20 and list(record["phenomena"]) == ["island_effects"] and record["partial"]
+    # Its release says partial too (it named the suite and md5 only), and --data, TatBLiMP's file, is refused.
+    assert record["benchmark"]["release"].endswith(", partial: phenomena island_effects (20 of 40 pairs)")
+    assert main([*common, "--data", str(tmp_path / "x.jsonl"), "--output", str(out)]) == 1
+
+    # Beside TatBLiMP, a suite takes --limit too (it was scored whole: 67,000 pairs for BLiMP in "a quick run").
+    tatblimp = ["score", str(model_dirs[0]), "--device", "cpu", "--data", str(DATA), "--suite", f"blimp={folder}"]
+    assert main([*tatblimp, "--limit", "2", "--output", str(out)]) == 0
+    suite = json.loads(out.read_text())["suites"]["blimp"]
+    assert suite["n"] == 4 and suite["selection"] == "first 2 pairs of each phenomenon (4 of 40 pairs)"

@@ -14,8 +14,7 @@ def score_through_endpoint(args: argparse.Namespace):
     import sys
 
     from ..chat.logprob_endpoint import CompletionsClient, evaluate_logprob_endpoint
-    from ..reading.data import load_benchmark
-    from ..reading.suites import suites_from_args
+    from ..reading.suites import benchmark_and_suites
     from .loading import load_tokenizer
 
     if not args.model_name:
@@ -28,12 +27,8 @@ def score_through_endpoint(args: argparse.Namespace):
         )
     if uses_vllm(args):
         raise ValueError("--backend vllm starts an engine in this process; an --endpoint is a server's")
-    suites = suites_from_args(args)  # each suite's log-probs resumable from its own file beside --results
+    benchmark, suites = benchmark_and_suites(args)  # each suite's log-probs resumable from its own file beside --results
     tokenizer = load_tokenizer(args.tokenizer)
-    if getattr(args, "suites_only", False):  # the first suite takes TatBLiMP's place, as without --endpoint
-        benchmark = suites.pop(next(iter(suites)))
-    else:
-        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
     client = CompletionsClient(
         args.endpoint,
         args.model_name,

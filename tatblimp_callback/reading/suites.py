@@ -45,6 +45,7 @@ from .data import (
     check_unicode,
     decode_utf8,
     json_record,
+    load_benchmark,
     parse_pairs,
 )
 
@@ -70,7 +71,8 @@ class Suite(Benchmark):
 
     @property
     def release(self) -> str:
-        return f"{self.name} (md5 {self.md5})"
+        """The suite's name and md5, with ", partial: ..." when only some pairs were kept (``select``)."""
+        return f"{self.name} (md5 {self.md5})" + (f", partial: {self.selection}" if self.selection else "")
 
 
 def parse_columns(text: str | None) -> dict[str, str] | None:
@@ -335,3 +337,22 @@ def suites_from_args(args) -> dict[str, Suite]:
             raise ValueError(f"--columns {text!r}: no --suite named {name!r}")
         columns[name] = parse_columns(mapping)
     return {name: load_suite(name, path, columns.get(name, columns.get(None))) for name, path in named}
+
+
+def benchmark_and_suites(args) -> tuple[Benchmark, dict[str, Suite]]:
+    """What ``tatblimp score`` reads: TatBLiMP (``--data``), or with ``--suites-only`` the first suite in its place,
+    kept as ``--limit`` and ``--phenomena`` say; and the other suites, each the first ``--limit`` pairs of each of its
+    phenomena too (``--phenomena`` names TatBLiMP's). A limited suite is marked partial, as TatBLiMP is.
+
+    Raises:
+        ValueError: ``--data`` with ``--suites-only``, which reads no TatBLiMP file; and as ``suites_from_args``.
+    """
+    suites = suites_from_args(args)
+    limit, phenomena = getattr(args, "limit", None), getattr(args, "phenomena", None)
+    if getattr(args, "suites_only", False):
+        if getattr(args, "data", None):
+            raise ValueError(f"--data {args.data}: TatBLiMP's file, which --suites-only does not score; drop one of them")
+        benchmark = suites.pop(next(iter(suites))).select(limit, phenomena)
+    else:
+        benchmark = load_benchmark(args.data, allow_modified=args.allow_modified).select(limit, phenomena)
+    return benchmark, {name: suite.select(limit) for name, suite in suites.items()}
