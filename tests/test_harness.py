@@ -184,6 +184,10 @@ def test_trainer_logs_harness_metrics_equal_to_a_harness_run(bpe_tokenizer, loca
         for metric in ("acc", "acc_norm"):
             assert last[f"lm_eval/{task}/{metric}"] == pytest.approx(out["results"][task][f"{metric},none"], abs=1e-12)
     assert callback.history[-1]["lm_eval/tatblimp_binding/acc"] == last["lm_eval/tatblimp_binding/acc"]
+    # And in the history file, under lm_eval, as the docs say (it had none of them).
+    lines = [json.loads(line) for line in (tmp_path / "run" / "tatblimp_history.jsonl").read_text().splitlines()]
+    harness = [{key.split("/", 1)[1]: v for key, v in entry.items() if key.startswith("lm_eval/")} for entry in logged]
+    assert [line["step"] for line in lines] == [0, 2, 4] and [line["lm_eval"] for line in lines] == harness
 
 
 def test_lm_eval_path_prints_the_task_folder(capsys):

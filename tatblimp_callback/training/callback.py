@@ -388,5 +388,5 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
             guarded(reporting.log_to_trainer_callbacks, self._trainer, self, args, state, control, metrics)
         if reporting.reports_to_wandb(args, self._trainer):
             guarded(self._wandb.log, metrics, step)
-        self._monitor.write_history(step, results)
+        self._monitor.write_history(step, results, metrics)
         self._monitor.console(step, metrics, results)

@@ -33,6 +33,8 @@ from .alerts import RegressionAlerts
 from .monitoring_errors import ErrorLog
 from .suite_schedule import suite_history_files, suites_due
 
+HARNESS_PREFIX = "lm_eval/"  # the harness tasks' keys (harness.in_training.PREFIX, whose module imports lm_eval)
+
 logger = logging.getLogger(__name__)
 
 Publish = Callable[[int, dict[str, float], "Results | None"], None]
@@ -294,10 +296,13 @@ class InLoopMonitor:
         if main and metrics:
             publish(step, metrics, results)
 
-    def write_history(self, step: int, results: Results | None) -> None:
-        """The evaluation's lines in the history file and the suites' (main process)."""
+    def write_history(self, step: int, results: Results | None, metrics: dict[str, float] | None = None) -> None:
+        """The evaluation's lines in the history file and the suites' (main process); the harness tasks' metrics
+        (``lm_eval/<task>/<metric>`` of ``metrics``) in TatBLiMP's line, under ``lm_eval``."""
+        harness = {key.split("/", 1)[1]: value for key, value in (metrics or {}).items() if key.startswith(HARNESS_PREFIX)}
         if results is not None and self.history_file is not None:
-            self.guarded(self.history_file.append, step, results, self.alerts.fields(step))
+            extra = {**self.alerts.fields(step), **({"lm_eval": harness} if harness else {})}
+            self.guarded(self.history_file.append, step, results, extra)
         for name, suite in (results.suites if results is not None else {}).items():
             if name in self.suite_history_files:
                 self.guarded(self.suite_history_files[name].append, step, suite)

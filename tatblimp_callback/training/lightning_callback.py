@@ -298,7 +298,7 @@ class TatBLiMPLightningCallback(MonitoredResults, Callback):
         """One evaluation, once, to every logger of the Trainer, the history file and the console."""
         for each in trainer.loggers:
             self._monitor.guarded(each.log_metrics, dict(metrics), step)
-        self._monitor.write_history(step, results)
+        self._monitor.write_history(step, results, metrics)
         self._monitor.console(step, metrics, results)
 
 
