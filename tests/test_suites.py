@@ -133,6 +133,10 @@ def test_a_json_file_is_json_lines_or_one_array_of_records(tmp_path):
         load_suite("s", truncated)
     with pytest.raises(BenchmarkError, match=r"odd\.json: record 2 of the array is not a JSON object"):
         load_suite("s", write(tmp_path / "odd.json", '[{"good": "a b", "bad": "a c"}, 5]'))
+    # JSON lines saved as .txt: read as such (its first object was taken for a CSV header, its second line blamed).
+    text = write(tmp_path / "pairs.txt", '{"good": "a b", "bad": "a c"}\n{"good": "d e", "bad": "d f"}\n')
+    assert [(p.good, p.bad) for p in load_suite("s", text).pairs] == [("a b", "a c"), ("d e", "d f")]
+    assert [p.good for p in load_suite("s", write(tmp_path / "table.txt", "good,bad\na b,a c\n")).pairs] == ["a b"]
 
 
 def test_a_column_mapping_for_other_layouts(tmp_path):

@@ -118,6 +118,21 @@ def test_token_texts_of_a_split_character_go_to_the_token_that_completes_it(bpe_
     assert "".join(token_texts(bpe_tokenizer, ids)) == text
 
 
+def test_token_texts_join_to_the_sentence_with_a_tokenizer_that_adds_a_prefix_space(bpe_tokenizer):
+    """``add_prefix_space=True``: the pieces joined to " Мин китап укыйм." (the decoded text), not the sentence."""
+    import copy
+
+    from tokenizers import pre_tokenizers
+
+    spaced = copy.deepcopy(bpe_tokenizer)
+    spaced.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    sentence = "Мин китап укыйм."
+    ids = spaced(sentence, add_special_tokens=False)["input_ids"]
+    assert token_texts(spaced, ids)[0].startswith(" ")  # the decoding, as it is
+    pieces = token_texts(spaced, ids, sentence)
+    assert "".join(pieces) == sentence and len(pieces) == len(ids) and pieces[0] == token_texts(spaced, ids)[0][1:]
+
+
 def test_score_include_tokens_writes_pair_fields_and_edit_margins(model, bpe_tokenizer, small_data, tmp_path):
     results = Evaluator(bpe_tokenizer, small_data, allow_modified=True, include_tokens=True)(model)
     record = json.loads(json.dumps(results.to_dict()))  # through JSON, as score --output writes it

@@ -199,7 +199,7 @@ def load_suite(name: str, source: str | os.PathLike, columns: dict[str, str] | N
 
 def _records(raw: bytes, file: Path):
     """(line number, dict) for each row of a JSONL, CSV or TSV file; a ``.json`` file is JSON lines, or one array of
-    records (then numbered by their place in it)."""
+    records (then numbered by their place in it); a file of another suffix is JSON lines if it starts with ``{``."""
     text = decode_utf8(raw, str(file)).removeprefix("\ufeff")
     if not text.strip():
         raise BenchmarkError(f"{file}: the file holds no pairs")
@@ -214,7 +214,9 @@ def _records(raw: bytes, file: Path):
                 raise BenchmarkError(f"{file}: record {number} of the array is not a JSON object")
             yield number, record
         return
-    if file.suffix.lower() in (".jsonl", ".json"):
+    suffix = file.suffix.lower()
+    # Another suffix (.txt): JSON lines where the file starts with an object, else a table
+    if suffix in (".jsonl", ".json") or (suffix not in (".csv", ".tsv") and text.lstrip().startswith("{")):
         # JSON Lines ends a line at "\n" only (see data.parse_pairs).
         for number, line in enumerate(text.split("\n"), start=1):
             if not line.strip():

@@ -78,13 +78,27 @@ def edit_span(good: Sequence[int], bad: Sequence[int]) -> tuple[tuple[int, int],
     return (prefix, len(good) - suffix), (prefix, len(bad) - suffix)
 
 
-def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def token_texts(tokenizer: Any, ids: Sequence[int], sentence: str | None = None) -> list[str]:
     """Each token's piece of the decoded text, so that ``"".join(pieces)`` is the decoded sentence.
 
     A token is given the characters its decoding adds to the text before it; a token ending
     inside a UTF-8 character (byte-level BPE) adds none, and the one completing it adds the whole
-    character. ``tokenizer`` is a Hugging Face tokenizer or a ``SentencePieceTokenizer``.
+    character. ``tokenizer`` is a Hugging Face tokenizer or a ``SentencePieceTokenizer``. Given the ``sentence``, a
+    space the tokenizer put before it (``add_prefix_space``) is taken off the first pieces, so that they join to it.
     """
+    pieces = _decoded_pieces(tokenizer, ids)
+    extra = len("".join(pieces)) - len(sentence or "")
+    if sentence is not None and extra > 0 and "".join(pieces)[extra:] == sentence and not "".join(pieces)[:extra].strip():
+        for k, piece in enumerate(pieces):
+            taken = min(extra, len(piece))
+            pieces[k], extra = piece[taken:], extra - taken
+            if not extra:
+                break
+    return pieces
+
+
+def _decoded_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """``token_texts`` of the decoded text as it is."""
     if hasattr(tokenizer, "decode"):
 
         def decode(part: Sequence[int]) -> str:
@@ -116,6 +130,7 @@ def pair_tokens(cache, token_logprobs: list[list[float]], tokenizer: Any = None)
     if len(token_logprobs) != cache.num_sentences:
         raise ValueError(f"{len(token_logprobs)} token lists for {cache.num_sentences} sentences")
     sentences = TokenSequences(cache.token_ids, cache.offsets)
+    texts = cache.sentences or [None] * cache.num_sentences
     records = []
     for pair in range(cache.num_pairs):
         good_ids, bad_ids = sentences[2 * pair][1:], sentences[2 * pair + 1][1:]
@@ -124,8 +139,8 @@ def pair_tokens(cache, token_logprobs: list[list[float]], tokenizer: Any = None)
             PairTokens(
                 good_token_logprobs=token_logprobs[2 * pair],
                 bad_token_logprobs=token_logprobs[2 * pair + 1],
-                good_tokens_text=token_texts(tokenizer, good_ids) if tokenizer is not None else [],
-                bad_tokens_text=token_texts(tokenizer, bad_ids) if tokenizer is not None else [],
+                good_tokens_text=token_texts(tokenizer, good_ids, texts[2 * pair]) if tokenizer is not None else [],
+                bad_tokens_text=token_texts(tokenizer, bad_ids, texts[2 * pair + 1]) if tokenizer is not None else [],
                 edit={"good": list(good_span), "bad": list(bad_span)},
             )
         )
