@@ -143,6 +143,12 @@ def scorer_scenario(workdir: Path, tokenizer, cache) -> dict:
     out["regions_one_process"] = [p.critical_region_bits for p in Evaluator(tokenizer, small, **with_tokens)(model).pair_tokens]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out["regions_sharded"] = [p.critical_region_bits for p in Evaluator(tokenizer, small, **with_tokens)(model).pair_tokens]
+    # A file of its own on each process (rank 1's one pair short): said so on both, not a gloo abort.
+    own = workdir / f"own-rank{dist.get_rank()}.jsonl"
+    lines = small.read_text(encoding="utf-8").splitlines(keepends=True)
+    own.write_text("".join(lines[: len(lines) - dist.get_rank()]), encoding="utf-8")
+    out["different_data"] = outcome(lambda: Evaluator(tokenizer, own, allow_modified=True, memory_budget=BUDGET)(model))
+    out["tokenizer_name"] = cache.tokenizer_name
     # Exact decisions under DDP: the same close pairs on both ranks, rescored in lockstep.
     out["bf16_sharded"] = exact_decisions(Evaluator(cache=cache, memory_budget=BUDGET)(bf16))
 

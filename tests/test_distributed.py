@@ -161,6 +161,17 @@ def test_a_failure_on_one_rank_ends_the_evaluation_on_both(scorer_run):
 
 
 @pytest.mark.slow
+def test_processes_holding_different_benchmarks_are_told_so(scorer_run):
+    """Rank 1 read a file one pair short: the collectives of other sizes aborted the job (gloo, SIGABRT)."""
+    ranks, _ = scorer_run
+    for out, sentences in zip(ranks, (96, 94)):
+        assert out["different_data"] == (
+            "ValueError: the processes hold different benchmarks or tokenizers (this one's: "
+            f"{sentences} sentences, {out['tokenizer_name']}): give every process the same"
+        )
+
+
+@pytest.mark.slow
 def test_include_tokens_gives_the_critical_region_on_every_process(scorer_run):
     """Under torch.distributed every pair's critical_region_tokens and _bits were None, with no word."""
     ranks, _ = scorer_run

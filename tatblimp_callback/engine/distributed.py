@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -173,6 +174,16 @@ def check_in(failure: BaseException | None = None, *, vote: bool = True, value: 
     if error is failure:
         raise error
     raise error from failure
+
+
+def same_on_every_process(value: str, what: str) -> None:
+    """Raise ``ValueError`` on every process when ``value`` differs between them: ``what`` each holds (say, a
+    benchmark file of its own), which would otherwise put them in collectives of other sizes (a gloo abort)."""
+    if world()[1] == 1:
+        return
+    code = int(hashlib.sha256(value.encode()).hexdigest()[:15], 16)
+    if check_in(value=code)[1] != -check_in(value=-code)[1]:
+        raise ValueError(f"the processes hold different {what}: give every process the same")
 
 
 def all_agree(vote: bool) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from ..tokenized.cache import SentenceCache
+from . import distributed
 from .model_checks import input_device
 from .scoring import Scorer, unwrap_model
 from .vllm_scoring import is_vllm_engine, vllm_scorer_for
@@ -39,7 +40,11 @@ def scorer_for(evaluator, model: torch.nn.Module, build: Callable[[torch.device]
     if device.type == "meta":  # no data there: keep the cache on the CPU, and let the scorer say what is wrong
         device = torch.device("cpu")
     if evaluator.cache is None:
-        evaluator.cache = build(device)
+        cache = build(device)
+        identity = f"{cache.benchmark_fingerprint} {cache.fingerprint} {cache.num_sentences}"
+        what = f"benchmarks or tokenizers (this one's: {cache.num_sentences} sentences, {cache.tokenizer_name})"
+        distributed.same_on_every_process(identity, what)
+        evaluator.cache = cache
     elif evaluator.cache.device != device:
         evaluator.cache = evaluator.cache.to(device)
     # A model moved to another device or dtype since the last call needs a scorer (layouts, masks, method) of its
