@@ -29,7 +29,7 @@ from .results.metrics import Results, compute_results
 from .results.provenance import provenance
 from .results.token_results import pair_tokens
 from .tokenized.cache import SentenceCache, build_cache, concat_caches
-from .tokenized.edit_tokens import kept_bytes
+from .tokenized.edit_tokens import cut_byte_lengths
 from .tokenized.tokenization import check_prefix_token_id, check_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -322,19 +322,14 @@ class Evaluator:
         return records
 
     def _scored_bytes(self, part: SentenceCache, fused: SentenceCache, start: int) -> torch.Tensor:
-        """``part``'s byte lengths, those of its cut sentences (``part.truncated``) the bytes their kept tokens
-        cover; the whole sentences' where the tokenizer gives no character offsets (said once)."""
-        kept = [fused.sentence(start + s)[1:] for s in part.truncated]  # after the prefix token
-        texts = [part.sentences[s] for s in part.truncated]
-        found = None if self.tokenizer is None else kept_bytes(self.tokenizer, texts, kept)
+        """``part``'s byte lengths, its cut sentences' those their kept tokens cover (``cut_byte_lengths``); the whole
+        sentences' where the tokenizer gives no character offsets, said so."""
+        found = None if self.tokenizer is None else cut_byte_lengths(self.tokenizer, part, fused, start)
         if found is None:
             logger.warning(
                 "tatblimp: no character offsets from this tokenizer: acc_norm of a cut sentence divides by its whole bytes"
             )
-            return part.byte_lengths
-        byte_lengths = part.byte_lengths.clone()
-        byte_lengths[part.truncated] = torch.tensor(found, dtype=byte_lengths.dtype)
-        return byte_lengths
+        return part.byte_lengths if found is None else found
 
     def _decide_exactly(self, scorer, logprobs, run_info, sequences=None) -> tuple | None:
         """``(log-probs, rescored pairs)`` to decide by (``exact_decisions.decide_exactly``), recorded in ``run_info``."""

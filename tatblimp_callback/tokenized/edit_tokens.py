@@ -94,20 +94,23 @@ def token_spans(tokenizer: Any, sentences: Sequence[str], expected: Sequence[Seq
     return result
 
 
-def kept_bytes(tokenizer: Any, texts: Sequence[str], kept_ids: Sequence[Sequence[int]]) -> list[int] | None:
-    """UTF-8 bytes of each text up to the end of its last kept token (``kept_ids``: its first tokens, a sentence cut
-    to a model's context): the text its log-prob covers. None where the tokenizer gives no character offsets, or its
-    tokens are not the kept ones."""
+def cut_byte_lengths(tokenizer: Any, part, fused, start: int):
+    """``part``'s byte lengths (a ``SentenceCache``'s tensor), those of its sentences cut to a model's context
+    (``part.truncated``) the UTF-8 bytes up to the end of their last kept token: the text their log-prob covers. The
+    kept tokens are ``fused``'s (the scored cache, ``part``'s sentences from ``start`` on, each after its prefix
+    token). None where the tokenizer gives no character offsets, or its tokens are not the kept ones."""
+    texts = [part.sentences[s] for s in part.truncated]
+    kept = [fused.sentence(start + s)[1:] for s in part.truncated]
     try:
         found = token_spans(tokenizer, texts)
     except TokenizationError:
         return None
-    if any(spans.ids[: len(ids)] != list(ids) for spans, ids in zip(found, kept_ids)):
+    if any(spans.ids[: len(ids)] != list(ids) for spans, ids in zip(found, kept)):
         return None
-    return [
-        len(text[: spans.spans[len(ids) - 1][1]].encode("utf-8")) if ids else 0
-        for text, spans, ids in zip(texts, found, kept_ids)
-    ]
+    byte_lengths = part.byte_lengths.clone()
+    for s, text, spans, ids in zip(part.truncated, texts, found, kept):
+        byte_lengths[s] = len(text[: spans.spans[len(ids) - 1][1]].encode("utf-8")) if ids else 0
+    return byte_lengths
 
 
 def _kept(ids: Sequence[int], special: set[int]) -> slice:
