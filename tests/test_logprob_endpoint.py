@@ -80,7 +80,8 @@ class CompletionsServer:
 def _score(server, model_dir, small_data, tmp_path, *extra):
     out = tmp_path / "out.json"
     argv = ["score", "--endpoint", server.url, "--model-name", "tiny", "--tokenizer", str(model_dir)]
-    code = main([*argv, "--data", str(small_data), "--allow-modified", "--output", str(out), "--concurrency", "3", *extra])
+    data = [] if "--suites-only" in extra else ["--data", str(small_data)]  # --suites-only reads no TatBLiMP file
+    code = main([*argv, *data, "--allow-modified", "--output", str(out), "--concurrency", "3", *extra])
     return code, json.loads(out.read_text()) if code == 0 else None
 
 
