@@ -69,7 +69,8 @@ class Evaluator:
         allow_modified: accept a benchmark file that is not the official release.
         memory_budget: extra bytes one evaluation may use (default: from free device memory). This and
             ``truncate`` and ``method`` may be changed between calls (``evaluator.memory_budget = ...``): the
-            next call makes a scorer with them.
+            next call makes a scorer with them; ``data``, ``tokenizer`` and ``prefix_token_id`` too, and the next
+            call tokenizes the benchmark again.
         truncate: cut sentences longer than the model's context instead of raising.
         method: force a scoring method (a ``ScoringMethod``, or a layout: "tree", "packed", "padded");
             default: chosen and checked by the scorer.

@@ -4,6 +4,8 @@ inside an evaluation, or to be taken silently."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,26 @@ def test_every_flag_of_both_callbacks_is_checked(bpe_tokenizer, small_data):
     for name in ("eval_on_evaluate", "log_table"):  # the Trainer callback's own
         with pytest.raises(ValueError, match=f"^{name} must be True or False, got 'False'$"):
             TatBLiMPCallback(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, **{name: "False"})
+
+
+def test_an_evaluators_data_tokenizer_and_prefix_token_set_anew_are_used(bpe_tokenizer, small_data, tmp_path):
+    """``evaluator.data = other`` (or ``.tokenizer``, ``.prefix_token_id``) after a call went on scoring the first
+    cache's pairs, with no word."""
+    from conftest import train_bpe, write_pairs
+
+    model = tiny_llama(len(bpe_tokenizer))
+    evaluator = Evaluator(bpe_tokenizer, small_data, allow_modified=True)
+    assert len(evaluator(model).pairs) == 48
+    lines = small_data.read_text(encoding="utf-8").splitlines()
+    evaluator.data = write_pairs(tmp_path / "four.jsonl", [json.loads(line) for line in lines[:4]])
+    assert len(evaluator(model).pairs) == 4 and evaluator(model).benchmark_source == str(tmp_path / "four.jsonl")
+    evaluator.prefix_token_id = bpe_tokenizer.eos_token_id
+    assert evaluator(model).run_info["prefix_token_id"] == bpe_tokenizer.eos_token_id
+    evaluator.tokenizer = other = train_bpe(vocab_size=300, lines=500)
+    results = evaluator(tiny_llama(len(other)))
+    first = json.loads(lines[0])["good"]
+    assert evaluator.cache.sentence(0)[1:] == other(first, add_special_tokens=False)["input_ids"]
+    assert results.tokens == sum(len(other(t, add_special_tokens=False)["input_ids"]) for t in evaluator.cache.sentences)
 
 
 def test_the_scoring_paths_below_refuse_a_tokenizers_path_and_a_list_of_suites_by_name(bpe_tokenizer, small_data):

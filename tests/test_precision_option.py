@@ -82,6 +82,15 @@ def test_bf16_weights_scored_under_a_float16_autocast(bpe_tokenizer, small_data)
     assert [p.good_logprob for p in results.pairs] == pytest.approx([p.good_logprob for p in in_float32.pairs], rel=0.05)
 
 
+def test_auto_follows_autocast_from_one_evaluation_to_the_next(bpe_tokenizer, small_data):
+    """A plain loop scores at step 0, then trains under ``torch.autocast``: "auto" was fixed at the first call."""
+    evaluator, model = Evaluator(bpe_tokenizer, small_data, allow_modified=True), tiny_llama(len(bpe_tokenizer))
+    assert evaluator(model).run_info["precision"] == "float32"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert evaluator(model).run_info["precision"] == "bfloat16"
+    assert evaluator(model).run_info["precision"] == "float32"
+
+
 @pytest.mark.parametrize(
     "make",
     [
