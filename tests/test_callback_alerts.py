@@ -296,3 +296,11 @@ def test_the_alert_mode_reaches_the_monitor_and_an_unknown_one_is_refused_when_t
         assert TatBLiMPCallback(alert_mode=mode)._monitor.alerts.monitor.mode == mode
     with pytest.raises(ValueError, match="alert mode must be one of 'pooled', 'per_run', 'per_evaluation', got 'per-run'"):
         TatBLiMPCallback(alert_mode="per-run")
+
+
+def test_a_run_without_log_prob_evaluations_says_no_trend(capsys):
+    """``protocol="forced-choice"``: the end of training said "trend: fewer than two evaluations" right after three."""
+    from tatblimp_callback.training.alerts import RegressionAlerts
+
+    alerts = RegressionAlerts(True, 0.05, 0.05, "tatblimp")
+    assert alerts.summary(main_process=True) is not None and capsys.readouterr().out == ""

@@ -245,7 +245,9 @@ from tatblimp_callback import TatBLiMPCallback
 
 tokenizer = train_bpe(lines=1500)
 trainer = make_trainer(tiny_llama(len(tokenizer)), tokenizer, {out!r}, [], report_to=["wandb"], max_steps=4)
-TatBLiMPCallback.attach(trainer, data={data!r}, allow_modified=True, eval_steps=2, report_file="tatblimp_report.html")
+TatBLiMPCallback.attach(
+    trainer, data={data!r}, allow_modified=True, eval_steps=2, report_file="tatblimp_report.html", acquisition_threshold=0.4
+)
 trainer.train()
 print("RUN_DIR=" + wandb.run.dir.rsplit("/files", 1)[0])
 wandb.finish()
@@ -263,6 +265,8 @@ def test_the_callback_writes_the_report_and_logs_it_to_wandb(small_data, tmp_pat
     history = [json.loads(line) for line in (out / "tatblimp_history.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["step"] for r in history] == [0, 2, 4]
     assert page.count('class="cell"') == 3 * 16  # every evaluation of the run, every phenomenon
+    # At the run's acquisition_threshold, as its wandb summary: the report used the default 0.75.
+    assert "(acc_norm &gt;= 0.4 to the end)" in page and "&gt;= 0.75" not in page
     assert page_counts(page, "out", "acc_norm") == flip_counts(
         history[0]["outcomes"]["acc_norm"], history[-1]["outcomes"]["acc_norm"]
     )
@@ -277,6 +281,9 @@ def test_report_file_needs_the_history_file():
 
     with pytest.raises(ValueError, match="needs history_file"):
         TatBLiMPCallback(report_file="r.html", history_file=None)
+    # Forced choice alone writes no log-prob history: the report was skipped at the end, with no word.
+    with pytest.raises(ValueError, match=r"protocol='forced-choice' has none of: use protocol='both', or drop report_file"):
+        TatBLiMPCallback(report_file="r.html", protocol="forced-choice")
 
 
 @pytest.mark.slow

@@ -88,7 +88,9 @@ def to_json(comparison: Comparison, data: str | None = None) -> dict[str, Any]:
         {"baseline": comparison.baseline.label, "run": label, **_no_nan(order.to_dict())}
         for label, order in comparison.orders().items()
     ]
-    by_edit = {"by_edit": runs_by_edit(comparison.runs)}  # acc and acc_norm split by how the tokenizer cut the edit
+    by_edit = {
+        "by_edit": runs_by_edit(comparison.runs, comparison.threshold)
+    }  # acc and acc_norm split by how the tokenizer cut the edit
     if numbers is None and paired:
         by_edit["pair_numbers"] = "positions among the pairs scored"
     if not any(run.is_sweep for run in comparison.runs):
@@ -194,7 +196,7 @@ def format_text(runs: list[Run] | Comparison, threshold: float = DEFAULT_THRESHO
         lines += ["", *order]
     for title, header, table in _paired_sections(comparison):
         lines += ["", title, *_text_table([header, *table], (0, 1))]
-    by_edit = runs_by_edit(comparison.runs)
+    by_edit = runs_by_edit(comparison.runs, comparison.threshold)
     if by_edit:  # overall only on the terminal; --markdown and --json have the phenomena too
         lines += _by_edit_text(by_edit)
     return "\n".join(lines + _notes(comparison))
@@ -243,7 +245,7 @@ def format_markdown(runs: list[Run] | Comparison, threshold: float = DEFAULT_THR
         lines += ["", "### Learning order", "", *(f"- {line.strip()}" for line in order)]
     for title, header, rows in _paired_sections(comparison):
         lines += ["", f"### {title[0].upper()}{title[1:]}", "", *table(header, rows)]
-    by_edit = runs_by_edit(comparison.runs)
+    by_edit = runs_by_edit(comparison.runs, comparison.threshold)
     if by_edit:
         lines += ["", "### By how the tokenizer cut the edit (95% Wilson intervals, Fisher's exact test)", ""]
         lines += [format_runs_by_edit(by_edit).rstrip()]

@@ -275,7 +275,7 @@ def build_report(
     body.append(_table(header, overview, "overview"))
     shown = shown_pairs(runs[0].record, data)
     body += _sections(runs, steps, shown, details, threshold, paired and len(runs) > 1, required=paired)
-    body += tokenization_sections(runs, data)  # how each tokenizer cuts the edit, and the outcomes split by it
+    body += tokenization_sections(runs, data, threshold)  # how each tokenizer cuts the edit, and the outcomes split by it
     for name in shared_suites(list(runs)):
         suite_runs = [suite_run(run, name) for run in runs]
         body.append(f'<h2 class="suite" data-suite="{escape(name)}">Suite {escape(name)}</h2>')

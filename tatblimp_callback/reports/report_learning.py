@@ -39,7 +39,8 @@ def _alerts_section(sweeps: list[Run]) -> str:
     parts = [
         "<h2>Regression alerts</h2>",
         '<div class="meta">A phenomenon or overall score significantly below earlier evaluations (exact tests on '
-        "the pairs) by at least 5 points of acc_norm, once until it recovers. Replayed and default alerts hold a "
+        "the pairs) by at least 5 points of acc_norm, once until it recovers (alerts written by the callback: by its "
+        "own alert_min_drop and alert_q, 5 points and 0.05 by default). Replayed and default alerts hold a "
         "false-alarm rate of 0.05 for the whole run (the last 1, 2 and 3 evaluations compared with each of the 4 "
         "windows of as many before them, and the latest with the best earlier one, each evaluation spending its own "
         "share, evenly over the run's planned evaluations where its records name the plan); alerts written in the "

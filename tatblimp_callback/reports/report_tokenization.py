@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..commands.tokenizers import COLUMNS, load_light_tokenizer, tokenizer_figures
+from ..results.curves import DEFAULT_THRESHOLD
 from ..results.edit_outcomes import runs_by_edit, split_rows
 from ..results.runs import Run
 from ..results.scored_pairs import scored_benchmark
@@ -53,8 +54,10 @@ def _figure_rows(figures: Mapping[str, Any]) -> list[list[str]]:
     return [[name, str(row["n"]), *(f.format(row[k]) for _, k, f in COLUMNS)] for name, row in rows]
 
 
-def tokenization_sections(runs: Sequence[Run], data: str | os.PathLike | None = None) -> list[str]:
-    """The two sections' HTML (nothing for runs without tokenizer facts)."""
+def tokenization_sections(
+    runs: Sequence[Run], data: str | os.PathLike | None = None, threshold: float = DEFAULT_THRESHOLD
+) -> list[str]:
+    """The two sections' HTML (nothing for runs without tokenizer facts); acquired at ``threshold``."""
     body = []
     figures = run_tokenizer_figures(runs, data)
     if figures:
@@ -69,7 +72,7 @@ def tokenization_sections(runs: Sequence[Run], data: str | os.PathLike | None = 
             body.append(f"<h3>{escape(name)} ({one['vocabulary']:,} tokens)</h3>")
             body.append(_table(["phenomenon", "n", *(h for h, _, _ in COLUMNS)], _figure_rows(one), "tokenizer-figures"))
     try:
-        by_edit = runs_by_edit(runs)
+        by_edit = runs_by_edit(runs, threshold)
     except ValueError as err:  # a record whose edit marks do not match its outcomes: said, and the report written
         return [*body, f'<p class="meta">Outcomes not split by the edit: {escape(str(err))}</p>']
     if by_edit:

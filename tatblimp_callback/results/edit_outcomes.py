@@ -150,14 +150,15 @@ def format_edit_splits(label: str, splits: Mapping[str, Any], phenomena: bool = 
     return "\n".join(out)
 
 
-def runs_by_edit(runs: Sequence[Any]) -> dict[str, Any]:
+def runs_by_edit(runs: Sequence[Any], threshold: float = DEFAULT_THRESHOLD) -> dict[str, Any]:
     """Each run's (``results.runs.Run``) ``split_by_edit`` at its compared record, and for a sweep its
-    ``split_acquisition`` through the compared step; runs whose records carry no alignment are left out."""
+    ``split_acquisition`` at ``threshold`` through the compared step; runs whose records carry no alignment are left
+    out."""
     by_label = {}
     for run in runs:
         splits = split_by_edit(run.record)
         if splits is not None:
-            acquisition = split_acquisition(run.records_up_to_step) if run.is_sweep else None
+            acquisition = split_acquisition(run.records_up_to_step, threshold) if run.is_sweep else None
             by_label[run.label] = {"splits": splits, "acquisition": acquisition}
     return by_label
 

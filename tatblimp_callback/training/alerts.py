@@ -137,7 +137,7 @@ class RegressionAlerts:
         except Exception as error:  # a monitoring error never stops training
             logger.warning("tatblimp: the learning summary failed (%s: %s)", type(error).__name__, error)
             return None
-        if main_process:
+        if main_process and self.evaluations:  # none: no log-prob evaluation (forced choice only) to speak of
             print_line(learning_line(summary))
         return summary
 

@@ -367,7 +367,11 @@ class TatBLiMPCallback(MonitoredResults, TrainerCallback):
         if self.report_file is not None and history_file is not None and history_file.path.exists():
             output = callback_options.under_output_dir(self.report_file, args.output_dir)
             guarded(
-                reporting.report_at_end_of_training, history_file.path, output, f"{self.log_prefix}/report" if wandb else None
+                reporting.report_at_end_of_training,
+                history_file.path,
+                output,
+                f"{self.log_prefix}/report" if wandb else None,
+                self.acquisition_threshold,
             )
 
     # -- scoring and logging --------------------------------------------------------------------

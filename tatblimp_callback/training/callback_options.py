@@ -29,6 +29,11 @@ def check_options(options) -> int | None:
     check_shared_options(options)
     if options.report_file is not None and options.history_file is None:
         raise ValueError("report_file is drawn from the history file: it needs history_file (not None)")
+    if options.report_file is not None and options.protocol == "forced-choice":
+        raise ValueError(
+            "report_file is drawn from the log-prob evaluations' history, which protocol='forced-choice' has none of: "
+            "use protocol='both', or drop report_file"
+        )
     return every
 
 

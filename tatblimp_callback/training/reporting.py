@@ -232,15 +232,19 @@ def is_evaluation_log(logs: dict[str, Any]) -> bool:
     return any(key.startswith("eval_") and key.endswith("_runtime") for key in logs)
 
 
-def report_at_end_of_training(history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None) -> None:
+def report_at_end_of_training(
+    history: str | os.PathLike, output: str | os.PathLike, wandb_key: str | None = None, threshold: float | None = None
+) -> None:
     """The callback's report: ``history`` (its history file) as HTML in ``output``, and to the active wandb
-    run as an HTML panel under ``wandb_key`` (None: not to wandb)."""
+    run as an HTML panel under ``wandb_key`` (None: not to wandb); acquired at the run's ``threshold`` of acc_norm
+    (None: the default)."""
     from ..reports.report import write_report
     from ..results.curves import DEFAULT_THRESHOLD
     from ..results.runs import load_runs
 
     runs = load_runs([history])
-    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=DEFAULT_THRESHOLD)
+    threshold = DEFAULT_THRESHOLD if threshold is None else threshold
+    output = write_report(output, runs, title=f"TatBLiMP report: {runs[0].label}", threshold=threshold)
     logger.info("tatblimp: wrote the report %s", output)
     if wandb_key is not None:
         run = wandb_run()
