@@ -236,3 +236,26 @@ def test_one_callable_lm_is_scored_again_at_its_second_evaluation(bpe_tokenizer,
     sentences = [cache.sentence(s) for s in range(cache.num_sentences)]
     assert (logprobs(second) - reference(model, sentences)).abs().max().item() < 1e-4
     assert not torch.allclose(logprobs(second), logprobs(first))
+
+
+class TiedNanoGPT(NanoGPT):
+    """nanoGPT's tied head, written as nanoGPT's users often do: the embedding's weight used outside its call."""
+
+    def forward(self, idx, pos, attention_mask=None):
+        return F.linear(self.hidden(idx, pos, attention_mask), self.wte.weight)
+
+
+def test_a_bf16_model_using_a_weight_outside_its_module_is_scored_with_float32_decisions(bpe_tokenizer, small_data):
+    """The float32 truth of the method check upcast a module's weights during its own call only, so the tied head's
+    bf16 weight met float32 activations: "expected m1 and m2 to have the same dtype" at the first evaluation."""
+    model = TiedNanoGPT(len(bpe_tokenizer)).to(torch.bfloat16)
+    lm = CallableLM(model.forward, vocab_size=len(bpe_tokenizer), context_length=256, layouts=("packed",))
+    results = Evaluator(bpe_tokenizer, small_data, allow_modified=True)(lm)
+    assert results.run_info["precision"] == "bfloat16" and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    upcast = TiedNanoGPT(len(bpe_tokenizer))
+    upcast.load_state_dict({name: value.float() for name, value in model.state_dict().items()})
+    truth = Evaluator(bpe_tokenizer, small_data, allow_modified=True)(
+        CallableLM(upcast.forward, vocab_size=len(bpe_tokenizer), context_length=256)
+    )
+    assert [p.passed_norm for p in results.pairs] == [p.passed_norm for p in truth.pairs]
+    assert [p.passed for p in results.pairs] == [p.passed for p in truth.pairs]

@@ -67,6 +67,10 @@ class _Body(torch.nn.Module):
 class CallableLM(torch.nn.Module):
     """A causal LM given as a callable, for ``Evaluator``, ``evaluate`` and the callbacks.
 
+    Below float32 (bf16 weights), its float32 checks and rescoring hold every weight in float32 while they run, not
+    one module's at a time: its code may use a weight outside its module's call (a head tied as
+    ``F.linear(h, self.wte.weight)``).
+
     Give ``forward`` (logits), or ``hidden_states`` and ``output_embedding`` (then the log-probs are
     computed through the head tile by tile, without the full logits), or all three. Keep one
     ``CallableLM`` per model across evaluations: the engine keeps its scorer (and checked method) per object.
@@ -95,6 +99,8 @@ class CallableLM(torch.nn.Module):
         results = Evaluator(tokenizer, "test.jsonl")(lm)
         ```
     """
+
+    reads_weights_anywhere = True  # see above: ``precision.computing_in`` upcasts all of its weights at once
 
     def __init__(
         self,

@@ -184,6 +184,12 @@ def computing_in(
     with ExitStack() as stack:
         if dtype == weights or (dtype == torch.float32 and weights == torch.float64):
             stack.enter_context(_no_autocast(device))
+        elif dtype == torch.float32 and getattr(lm, "reads_weights_anywhere", False):
+            # A callable's own code may use a weight outside its module's call (nanoGPT's head tied as
+            # F.linear(h, wte.weight)), where no module hook upcasts it: every weight float32 for the whole block.
+            stack.enter_context(_no_autocast(device))
+            for module in lm.modules():
+                stack.enter_context(_upcast_module(module, dtype))
         elif dtype == torch.float32:
             stack.enter_context(_no_autocast(device))
             if head is not None:
