@@ -171,6 +171,10 @@ def test_nan_log_probs_are_counted_flagged_and_training_goes_on(bpe_tokenizer, s
     assert expected.acc == sum(p.passed for p in kept) / len(kept)
     as_dict = expected.to_dict()
     assert as_dict["partial"] is True and as_dict["non_finite_sentences"] == len(sentences)
+    # Standard JSON: a non-finite log-prob is null (it was NaN, which jq and JSON.parse refuse); the outcome says "-"
+    json.dumps(as_dict["pairs"], allow_nan=False)
+    nulls = {i for i, p in enumerate(as_dict["pairs"]) if p["good_logprob"] is None or p["bad_logprob"] is None}
+    assert nulls == set(pairs) and all(as_dict["outcomes"]["acc"][i] == "-" for i in pairs)
     assert f"WARNING: {len(pairs)} pairs ({len(sentences)} sentences) had non-finite" in expected.format_table()
 
     # Through the callback: logged and flagged at step 0; training (which spreads the NaN) goes on.

@@ -213,6 +213,9 @@ class Results:
         aligned = self.edit_aligned[index] == "1" if len(self.edit_aligned) == len(self.pairs) else None
         edit = find_edit(pair.good, pair.bad).to_dict(pair.good, pair.bad)
         fields = {k: v for k, v in asdict(pair).items() if v is not None or not k.startswith("float32_")}
+        for key in ("good_logprob", "bad_logprob", "float32_good_logprob", "float32_bad_logprob"):
+            if isinstance(fields.get(key), float) and not math.isfinite(fields[key]):
+                fields[key] = None  # standard JSON has no NaN or -Infinity (jq, JSON.parse); the outcome says "-"
         rescored = {"rescored": True} if pair.rescored else {}
         return {**fields, "passed": pair.passed, "passed_norm": pair.passed_norm, **rescored, **edit, "edit_aligned": aligned}
 
