@@ -232,3 +232,15 @@ def test_callback_logs_the_overall_intervals(bpe_tokenizer, small_data, tmp_path
         assert entries[-1][f"tatblimp/{metric}_ci_low"] == pytest.approx(low, abs=1e-12)
         assert entries[-1][f"tatblimp/{metric}_ci_high"] == pytest.approx(high, abs=1e-12)
         assert cb.history[-1][f"tatblimp/{metric}_ci_low"] == entries[-1][f"tatblimp/{metric}_ci_low"]
+
+
+def test_outcomes_of_a_record_without_them_read_a_null_log_prob_as_not_finite():
+    """Results JSON writes a non-finite log-prob as null: a record read by its pairs (no ``outcomes``) takes it so."""
+    pair = {"good_bytes": 10, "bad_bytes": 10, "phenomenon": "p"}
+    record = {
+        "acc": 1.0,
+        "acc_norm": 1.0,
+        "pairs": [{**pair, "good_logprob": -1.0, "bad_logprob": -2.0}, {**pair, "good_logprob": None, "bad_logprob": -2.0}],
+    }
+    outcomes = Outcomes.from_record(record)
+    assert (outcomes.acc, outcomes.acc_norm) == ("1-", "1-")

@@ -149,7 +149,11 @@ class Outcomes:
             outcomes = cls.from_dict(record["outcomes"])
         elif record.get("pairs"):
             pairs = record["pairs"]
-            finite = [math.isfinite(p["good_logprob"]) and math.isfinite(p["bad_logprob"]) for p in pairs]
+            # a non-finite log-prob is null (or NaN, as older versions wrote it)
+            finite = [
+                all(isinstance(p[k], (int, float)) and math.isfinite(p[k]) for k in ("good_logprob", "bad_logprob"))
+                for p in pairs
+            ]
             outcomes = cls(
                 acc=encode_outcomes(p["good_logprob"] > p["bad_logprob"] if f else None for p, f in zip(pairs, finite)),
                 acc_norm=encode_outcomes(
