@@ -72,10 +72,34 @@ def test_two_trainer_callbacks_on_one_file_are_refused_and_of_other_prefixes_wri
         ]
 
     model = tiny_llama(len(bpe_tokenizer))
-    trainer = make_trainer(model, bpe_tokenizer, tmp_path / "a", callbacks(history_file="tatblimp_history.jsonl"), attach=True)
-    with pytest.raises(ValueError, match=r"'tatblimp' and 'tatblimp'\) would write the same history file"):
+    one_file = callbacks(log_prefix="again", history_file="tatblimp_history.jsonl")
+    trainer = make_trainer(model, bpe_tokenizer, tmp_path / "a", one_file, attach=True)
+    with pytest.raises(ValueError, match=r"'tatblimp' and 'again'\) would write the same history file"):
+        trainer.train()
+    trainer = make_trainer(model, bpe_tokenizer, tmp_path / "a", callbacks(), attach=True)  # one prefix: the same keys
+    with pytest.raises(ValueError, match=r"'tatblimp' and 'tatblimp'\) would log under the same keys \(tatblimp/\.\.\."):
         trainer.train()
     trainer = make_trainer(model, bpe_tokenizer, tmp_path / "b", callbacks(log_prefix="again"), attach=True, max_steps=1)
     trainer.train()
     assert [r["step"] for r in lines(tmp_path / "b" / "tatblimp_history.jsonl")] == [0, 1]
     assert [r["step"] for r in lines(tmp_path / "b" / "again_history.jsonl")] == [0, 1]
+
+
+def test_two_trainer_callbacks_each_put_their_keys_in_the_evaluations_log_history_entry(tmp_path, bpe_tokenizer, small_data):
+    """At a Trainer evaluation where the first callback scored a new point, the second's ``eval_heldout/...`` keys
+    missed that evaluation's entry in ``log_history`` (and so trainer_state.json): it looked at the last entry only,
+    the first callback's point."""
+    from trainer_utils import corpus_blocks, make_trainer
+
+    both = [
+        TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=2),
+        TatBLiMPCallback(data=small_data, allow_modified=True, eval_steps=3, log_prefix="heldout"),
+    ]
+    options = dict(eval_strategy="steps", eval_steps=3, max_steps=4)
+    trainer = make_trainer(
+        tiny_llama(len(bpe_tokenizer)), bpe_tokenizer, tmp_path, both, corpus_blocks(bpe_tokenizer)[:8], True, **options
+    )
+    trainer.train()
+    entries = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in entries] == [3, 4]  # at 3, the first callback scored a point of its own first
+    assert all("eval_tatblimp/acc_norm" in e and "eval_heldout/acc_norm" in e for e in entries)

@@ -120,6 +120,41 @@ def test_two_callbacks_in_one_trainer_each_keep_and_restore_their_own_state(tmp_
     assert [line["step"] for line in lines] == [0, 2, 4, 6] and lines[0]["n"] == 30
 
 
+def test_two_callbacks_logging_one_suite_name_are_refused(tmp_path, bpe_tokenizer, small_data):
+    """Their keys collided: the loggers got two values of blimp/acc_norm a step, the monitors whichever came last."""
+    from test_lightning import blimp_slice
+
+    suite = {"blimp": blimp_slice(tmp_path)}
+    common = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2, suites=suite)
+    both = [TatBLiMPLightningCallback(**common), TatBLiMPLightningCallback(log_prefix="heldout", **common)]
+    with pytest.raises(ValueError, match=r"log_prefix 'tatblimp' and 'heldout'\) would log under the same keys \(blimp/\.\.\.\)"):
+        fit(Wrapped(len(bpe_tokenizer)), None, tmp_path, 2, bpe_tokenizer, callbacks=both)
+
+
+def test_a_failed_evaluation_keeps_the_suite_schedule(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+    """``suite_every`` counts evaluations, failed ones too: one failure moved the suite to other steps for the rest
+    of the run (4 and 8 became 6 and 10), where a checkpoint every 4 steps, as the callback advises, read NaN."""
+    from tatblimp_callback import evaluation
+    from test_lightning import blimp_slice
+
+    score, calls = evaluation.Evaluator.__call__, []
+
+    def fails_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
+    callback = TatBLiMPLightningCallback(
+        tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2,
+        suites={"blimp": blimp_slice(tmp_path)}, suite_every={"blimp": 2},
+    )  # fmt: skip
+    fit(Wrapped(len(bpe_tokenizer)), callback, tmp_path, 12, bpe_tokenizer)
+    assert callback.failures == 1 and [e["step"] for e in callback.history] == [0, 4, 6, 8, 10, 12]
+    assert [e["step"] for e in callback.history if "blimp/acc_norm" in e] == [0, 4, 8, 12]
+
+
 def test_after_a_failed_evaluation_the_scores_are_nan_and_the_counts_stay(tmp_path, bpe_tokenizer, falling_data, monkeypatch):
     from tatblimp_callback import evaluation
     from test_lightning import Probe

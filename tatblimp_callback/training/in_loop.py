@@ -237,7 +237,8 @@ class InLoopMonitor:
             # The label taken above is handed down: hashing every weight again would cost as much once more.
             evaluator = None if self.evaluator is None else functools.partial(self.evaluator, weights=weights)
             if self.settings.suites and evaluator is not None:  # the suites due at this evaluation (suite_every)
-                due = suites_due(self.settings.suites, self.settings.suite_every, len(self.history))
+                # The n-th evaluation, failed ones counted (a point each): one failure must not move the schedule
+                due = suites_due(self.settings.suites, self.settings.suite_every, len(self.points))
                 evaluator = functools.partial(evaluator, suites=due)
             fc_evaluator = None if self.fc_evaluator is None else functools.partial(self.fc_evaluator, weights=weights)
             results = self.guarded(evaluator, model) if evaluator is not None else None
@@ -375,18 +376,26 @@ class MonitoredResults:
 
 
 def refuse_shared_history_file(monitor: InLoopMonitor, callbacks: Iterable[Any], output_dir: str | None) -> None:
-    """``ValueError`` when another TatBLiMP callback among ``callbacks`` (a Trainer's) would write the same history
-    file as ``monitor``'s: their lines would interleave in one file, and each would cut the other's on resume."""
+    """``ValueError`` when another TatBLiMP callback among ``callbacks`` (a Trainer's) would log under the same keys
+    as ``monitor`` (a suite of one name in both: the loggers got two values a step, and the monitors whichever came
+    last) or write the same history file: their lines would interleave in one file, and each would cut the other's
+    on resume."""
     mine = reporting.HistoryFile.resolve(monitor.history_setting(), output_dir)
-    if mine is None:
-        return
     for other in callbacks:
         theirs = getattr(other, "_monitor", None)
         if not isinstance(theirs, InLoopMonitor) or theirs is monitor:
             continue
+        prefixes = f"log_prefix {monitor.settings.log_prefix!r} and {theirs.settings.log_prefix!r}"
+        shared = sorted(set(monitor.prefixes()) & set(theirs.prefixes()))
+        if shared:
+            raise ValueError(
+                f"two TatBLiMP callbacks ({prefixes}) would log under the same keys ({', '.join(f'{s}/...' for s in shared)}): "
+                "give each its own log_prefix, and their suites (and harness tasks) to one of them or other names"
+            )
+        if mine is None:
+            continue
         found = reporting.HistoryFile.resolve(theirs.history_setting(), output_dir)
         if found is not None and Path(os.path.abspath(found.path)) == Path(os.path.abspath(mine.path)):
-            prefixes = f"log_prefix {monitor.settings.log_prefix!r} and {theirs.settings.log_prefix!r}"
             raise ValueError(
                 f"two TatBLiMP callbacks ({prefixes}) would write the same history file {mine.path}: give each its "
                 "own history_file, or its own log_prefix (the default file is named for it: {log_prefix}_history.jsonl)"

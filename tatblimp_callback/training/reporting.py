@@ -220,11 +220,15 @@ class HistoryFile:
 
 
 def logged_copy(log_history: list[dict[str, Any]], logs: dict[str, Any]) -> dict[str, Any] | None:
-    """The entry ``Trainer.log`` appended to ``log_history`` for ``logs`` (a copy, with "step"), if it is the last."""
-    entry = log_history[-1] if log_history else None
-    if entry is None or not all(key in entry and (entry[key] is value or entry[key] == value) for key, value in logs.items()):
-        return None
-    return entry
+    """The entry ``Trainer.log`` appended to ``log_history`` for ``logs`` (a copy, with "step"): the latest one of the
+    last step that holds them (another TatBLiMP callback may have appended its point after it)."""
+    last_step = log_history[-1].get("step") if log_history else None
+    for entry in reversed(log_history):
+        if entry.get("step") != last_step:
+            break
+        if all(key in entry and (entry[key] is value or entry[key] == value) for key, value in logs.items()):
+            return entry
+    return None
 
 
 def is_evaluation_log(logs: dict[str, Any]) -> bool:
