@@ -173,6 +173,13 @@ def run_score(args: argparse.Namespace) -> None:
     if args.revision and (args.endpoint or (args.model and Path(args.model).is_dir())):
         where = "--endpoint serves the one model it has" if args.endpoint else f"{args.model} is a local folder, one version"
         raise ValueError(f"--revision {args.revision}: {where}; --revision picks a Hub model's branch, tag or commit")
+    if args.endpoint:  # the server runs the model: the options of one loaded here would do nothing
+        from .commands.loading import model_options_given
+
+        kept = ("--tokenizer", "--prefix-token-id") if args.protocol == "logprob" else ()  # the ids sent are ours
+        ignored = [option for option in model_options_given(args) if option not in kept]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: options of a model loaded here; an --endpoint's server runs its own")
     if args.endpoint and args.protocol == "logprob":  # a completions endpoint
         from .commands.endpoint_scoring import score_through_endpoint
 
@@ -246,6 +253,9 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         raise ValueError("--endpoint needs --protocol forced-choice (chat endpoints give no sentence log-probabilities)")
     prompt = check_prompt(read_option_file(args.prompt_file, "--prompt-file")) if args.prompt_file else DEFAULT_PROMPT
 
+    if args.suite or args.suites_only:
+        raise ValueError("--suite: the forced-choice protocol scores TatBLiMP's pairs only; score suites by log-probs")
+
     def benchmark():  # after the options are checked, before a model loads or a request is sent
         return load_benchmark(args.data, allow_modified=args.allow_modified).select(args.limit, args.phenomena)
 
@@ -259,7 +269,7 @@ def run_forced_choice(args: argparse.Namespace) -> None:
         client = ChatClient(
             args.endpoint,
             args.model_name,
-            api_key=os.environ.get(args.api_key_env) or None,
+            api_key=os.environ.get(args.api_key_env, ""),  # unset: no key, never $OPENAI_API_KEY's
             max_tokens=args.max_tokens,
             extra_body=args.extra_body,
             timeout=args.timeout,

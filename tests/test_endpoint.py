@@ -253,6 +253,14 @@ def test_results_file_resumes_failed_items(model, chat_tokenizer, ep_data, local
     # The file belongs to one model and prompt.
     with pytest.raises(EndpointError, match="holds answers for a different model"):
         evaluate_endpoint(ChatClient("http://127.0.0.1:9/v1", "other"), ep_data, results_path=results_path, allow_modified=True)
+    # ... and one setting of what changes the answers: a rerun without guided_choice (or with another max_tokens)
+    # added free-text answers beside the guided ones, with no word.
+    for other in (
+        ChatClient("http://127.0.0.1:9/v1", "tiny-chat"),
+        ChatClient("http://127.0.0.1:9/v1", "tiny-chat", extra_body=GUIDED, max_tokens=1),
+    ):
+        with pytest.raises(EndpointError, match=r"holds answers for a different (extra body|max tokens)"):
+            evaluate_endpoint(other, ep_data, results_path=results_path, allow_modified=True)
 
 
 def test_a_rejected_request_stops_the_run(model, chat_tokenizer, ep_data):
@@ -317,6 +325,33 @@ def test_base_url_and_key_from_the_environment(model, chat_tokenizer, ep_data, l
     assert [i.answer for i in results.items] == [i.answer for i in local.items]
 
 
+def test_a_key_variable_named_and_unset_sends_no_other_key(model, chat_tokenizer, ep_data, monkeypatch, capsys):
+    """``--api-key-env MY_SERVER_KEY`` unset: the client fell back to ``$OPENAI_API_KEY``, sending that key to
+    whatever server ``--endpoint`` names."""
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    monkeypatch.delenv("MY_SERVER_KEY", raising=False)
+    with ChatServer(model, chat_tokenizer) as server:
+        command = ["score", "--endpoint", server.url, "--model-name", "tiny-chat", "--protocol", "forced-choice"]
+        command += ["--data", str(ep_data), "--allow-modified", "--limit", "1", "--extra-body", json.dumps(GUIDED)]
+        assert main([*command, "--api-key-env", "MY_SERVER_KEY"]) == 0, capsys.readouterr().err
+        assert set(server.authorizations) == {"Bearer EMPTY"}
+        assert main(command) == 0  # the default variable is $OPENAI_API_KEY itself
+        assert server.authorizations[-1] == f"Bearer {SECRET}"
+
+
+def test_options_the_forced_choice_endpoint_would_ignore_are_refused(ep_data, capsys):
+    """A suite (TatBLiMP was scored instead, exit 0) and a local model's options (ignored) with forced choice."""
+    command = ["score", "--endpoint", "http://127.0.0.1:9/v1", "--model-name", "m", "--protocol", "forced-choice"]
+    command += ["--data", str(ep_data), "--allow-modified"]
+    assert main([*command, "--suite", f"blimp={ep_data}"]) == 1
+    assert "--suite: the forced-choice protocol scores TatBLiMP's pairs only" in capsys.readouterr().err
+    assert main([*command, "--dtype", "bfloat16", "--tokenizer", str(ep_data.parent)]) == 1
+    assert "--tokenizer, --dtype: options of a model loaded here; an --endpoint's server runs its own" in capsys.readouterr().err
+    logprob = [*command[:5], "--data", str(ep_data), "--allow-modified", "--tokenizer", str(ep_data.parent)]  # its ids: kept
+    assert main([*logprob, "--truncate", "--memory-budget-mb", "1"]) == 1
+    assert "--memory-budget-mb, --truncate: options of a model loaded here" in capsys.readouterr().err
+
+
 def test_without_openai_the_error_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "openai", None)  # what `import openai` does where it is not installed
     with pytest.raises(ImportError, match=r"pip install 'tatblimp-callback\[endpoint\]'"):
@@ -336,8 +371,8 @@ def test_cli_endpoint_end_to_end(model, chat_tokenizer, ep_data, local, tmp_path
         payload = json.loads(out.read_text(encoding="utf-8"))
         assert payload["accuracy"] == local.accuracy and payload["both_orders"] == local.both_orders
         assert payload["model"] == "tiny-chat" and payload["requests"] == 32
-        # Rerun: every answer is in the results file, so nothing is asked.
-        assert main(command) == 0
+        # Rerun: every answer is in the results file, so nothing is asked (with the same settings: see above).
+        assert main([*command, "--extra-body", json.dumps(GUIDED)]) == 0
         assert len(server.requests) == 32
     assert main(["score", "--endpoint", server.url, "--protocol", "forced-choice", "--data", str(ep_data)]) == 1
     assert "--endpoint needs --model-name" in capsys.readouterr().err

@@ -106,6 +106,7 @@ def test_the_endpoint_route_equals_the_default_backend_and_resumes_from_its_resu
         assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-4
         assert payload["outcomes"] == local.to_dict()["outcomes"] and payload["backend"] == "endpoint"
         assert payload["requests"] == len(sent)
+        assert payload["prefix_token_id"] == local.run_info["prefix_token_id"] == sent[0][0]  # it said None
         requests = len(server.requests)
         code, again = _score(server, model_dir, small_data, tmp_path, "--results", str(results_file))
         assert code == 0 and len(server.requests) == requests  # all read back: nothing asked again

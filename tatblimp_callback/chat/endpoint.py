@@ -81,7 +81,8 @@ class ChatClient:
         url: the server's base URL (``http://host:8000/v1``) or the full ``.../chat/completions`` URL;
             None: ``$OPENAI_BASE_URL``, else OpenAI's own API, as the openai client decides.
         model_name: the ``model`` field of each request.
-        api_key: sent as ``Authorization: Bearer``; None: ``$OPENAI_API_KEY``, else a placeholder
+        api_key: sent as ``Authorization: Bearer``; None: ``$OPENAI_API_KEY``, else a placeholder; ``""``: the
+            placeholder (a key variable named and unset: never another variable's key)
             that keyless servers ignore. Never printed or logged.
         max_tokens: the reply's token limit; a letter needs one, a little more lets a chatty reply
             show up as unparsed instead of cut to a letter.
@@ -118,7 +119,7 @@ class ChatClient:
         http_client = openai.DefaultHttpxClient(event_hooks={"request": [self._count_attempt]})
         self._client = openai.OpenAI(
             base_url=base_url,
-            api_key=self.api_key or os.environ.get("OPENAI_API_KEY") or NO_KEY,
+            api_key=self.api_key or (None if self.api_key == "" else os.environ.get("OPENAI_API_KEY")) or NO_KEY,
             timeout=self.timeout,
             max_retries=self.max_retries,
             http_client=http_client,
@@ -204,6 +205,9 @@ def evaluate_endpoint(
         "benchmark_selection": benchmark.selection,  # --limit/--phenomena: item k is another pair's
         "prompt": prompt,
         "system_prompt": system_prompt,
+        # They change the answers too (guided_choice, a reply cut short): one file holds the answers of one setting
+        "extra_body": client.extra_body,
+        "max_tokens": client.max_tokens,
     }
     texts: dict[int, str] = _load_results(Path(results_path), header, len(conversations)) if results_path else {}
     resumed = len(texts)
@@ -294,6 +298,9 @@ def _keep_answers_in_flight(in_flight: dict[Future, int], keep) -> None:
             keep(k, future.result())
 
 
+LATER_HEADER_KEYS = ("extra_body", "max_tokens")  # header keys a results file of an earlier version lacks
+
+
 def read_results_file(path: Path, header: dict, format_key: str, what: str, held: str) -> list[str]:
     """The record lines of a results file the endpoint routes append to (after its header line), or [] for a new
     one; an error naming the file if it is another kind (``format_key`` not this ``RESULTS_FORMAT``: ``what``) or
@@ -309,6 +316,8 @@ def read_results_file(path: Path, header: dict, format_key: str, what: str, held
     if not isinstance(found, dict) or found.get(format_key) != header[format_key]:
         raise EndpointError(f"{path}: not a tatblimp {what} results file; choose another results path")
     for key in header:
+        if key in LATER_HEADER_KEYS and key not in found:  # a file written before they were recorded
+            continue
         if key != format_key and found.get(key) != header[key]:
             raise EndpointError(
                 f"{path} holds {held} for a different {key.replace('_', ' ')} ({found.get(key)!r}, now {header[key]!r}); "

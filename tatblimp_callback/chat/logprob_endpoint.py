@@ -276,6 +276,7 @@ def evaluate_logprob_endpoint(
         "requests": len(pending),
         "resumed_sentences": resumed,
         "retries": client.retries,
+        "prefix_token_id": parts[0].cache.prefix_token_id,  # sent before each sentence, as the default backend puts it
         **provenance(),  # no local model: dtype and device are None
     }
     results = parts[0].results(run_info)

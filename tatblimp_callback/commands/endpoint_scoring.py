@@ -32,7 +32,7 @@ def score_through_endpoint(args: argparse.Namespace):
     client = CompletionsClient(
         args.endpoint,
         args.model_name,
-        api_key=os.environ.get(args.api_key_env) or None,
+        api_key=os.environ.get(args.api_key_env, ""),  # unset: no key, never $OPENAI_API_KEY's
         extra_body=args.extra_body,
         timeout=args.timeout,
         max_retries=args.max_retries,
