@@ -396,3 +396,19 @@ def test_a_second_sweep_of_a_run_being_swept_is_refused(run_dir, small_data, cap
         )
         assert not results.exists()
     assert main(command) == 0 and len(results.read_text().splitlines()) == 3  # let go: the next sweep writes
+
+
+def test_a_checkpoint_saved_again_that_fails_is_not_tried_again_in_the_same_watch(run_dir, small_data):
+    """A checkpoint saved again in place is scored again; if that fails, a watching sweep must not take it up again
+    at every poll (its old line still differs from its files)."""
+    from tatblimp_callback.commands.sweep import _RunFolder
+    from tatblimp_callback.commands.sweep_options import SweepReport
+
+    folder = _RunFolder(run_dir, options(small_data), "cpu")
+    record = {"checkpoint": "checkpoint-20", "step": 20, "weights_files": "an-earlier-save"}
+    report = SweepReport(results_path=run_dir / "tatblimp.jsonl", records=[record])
+    todo, _, _ = folder.poll({"checkpoint-20"}, True, report)
+    assert [c.name for c in todo] == ["checkpoint-10", "checkpoint-20", "checkpoint-30"] and report.rewritten == ["checkpoint-20"]
+    report.failed["checkpoint-20"] = "checkpoint-20: RuntimeError: boom"
+    todo, _, _ = folder.poll({"checkpoint-10", "checkpoint-20", "checkpoint-30"}, True, report)
+    assert todo == []

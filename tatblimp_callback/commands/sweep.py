@@ -187,7 +187,7 @@ class _RunFolder:
         settle = not self.options.watch and not settled and any(has_weights(c.path) for c in pending)
         # Saved again since its line was written (a new run into the same folder): scored again, its new line the one read
         last = {record["checkpoint"]: record.get("weights_files") for record in report.records}
-        rewritten = {c.name for c in ready if last.get(c.name) not in (None, weights_identity(c.path))}
+        rewritten = {c.name for c in ready if last.get(c.name) not in (None, weights_identity(c.path))} - set(report.failed)
         report.rewritten = sorted({*report.rewritten, *rewritten})
         # In the results file before this call: not scored now, nor failed now (``done`` holds those too).
         report.skipped = sorted({c.name for c in ready if c.name in done} - {*report.scored, *report.failed, *rewritten})
