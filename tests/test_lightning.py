@@ -291,19 +291,23 @@ def test_importing_the_package_does_not_import_lightning():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+def fail_evaluation(monkeypatch, call: int) -> None:
+    """Make the ``call``-th evaluation (counting from 1) raise ``RuntimeError("injected")``, once."""
     from tatblimp_callback import evaluation
 
-    score = evaluation.Evaluator.__call__
-    calls = []
+    score, calls = evaluation.Evaluator.__call__, []
 
-    def fails_second(self, *args, **kwargs):
+    def failing(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == call:
             raise RuntimeError("injected")
         return score(self, *args, **kwargs)
 
-    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
+    monkeypatch.setattr(evaluation.Evaluator, "__call__", failing)
+
+
+def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bpe_tokenizer, small_data, monkeypatch):
+    fail_evaluation(monkeypatch, 2)
     options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
     callback, probe = TatBLiMPLightningCallback(**options), Probe()
     trainer = fit(Wrapped(len(bpe_tokenizer)), None, tmp_path / "goes-on", 3, bpe_tokenizer, callbacks=[callback, probe])
@@ -315,7 +319,8 @@ def test_a_scoring_error_is_logged_and_counted_and_training_goes_on(tmp_path, bp
     with (tmp_path / "goes-on" / "csv" / "version_0" / "metrics.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [(int(r["step"]), r["tatblimp/failures"]) for r in rows] == [(0, ""), (1, "1.0"), (2, "1.0"), (3, "1.0")]
-    calls.clear()
+    monkeypatch.undo()
+    fail_evaluation(monkeypatch, 2)  # counted afresh
     with pytest.raises(RuntimeError, match="injected"):
         fit(
             Wrapped(len(bpe_tokenizer)),

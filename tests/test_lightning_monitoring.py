@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from tatblimp_callback.lightning import TatBLiMPLightningCallback
 from tatblimp_callback.reading.jsonl import read_complete_lines
-from test_lightning import Probe, Wrapped, blimp_slice, fit, fresh_metrics
+from test_lightning import Probe, Wrapped, blimp_slice, fail_evaluation, fit, fresh_metrics
 
 
 class Perturbed(L.Callback):
@@ -177,19 +177,9 @@ def test_early_stopping_counts_an_unscored_evaluation_as_no_improvement(
     stopped the run at that step (issue #51: step 4 of 12 with patience=100)."""
     import csv
 
-    from tatblimp_callback import evaluation
-
     options = dict(tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=1)
     if unscored == "failed evaluation":  # the evaluation of step 4 fails; epochs of 2 steps: checked at 2, 4, ..., 12
-        score, calls = evaluation.Evaluator.__call__, []
-
-        def fails_at_step_4(self, *args, **kwargs):
-            calls.append(1)
-            if len(calls) == 5:  # steps 0, 1, 2, 3, then 4
-                raise RuntimeError("injected")
-            return score(self, *args, **kwargs)
-
-        monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_at_step_4)
+        fail_evaluation(monkeypatch, 5)  # steps 0, 1, 2, 3, then 4
         monitor, rows, nan_steps, unscored_steps = "tatblimp/acc_norm", 8, [4], [4]
     else:  # blimp at every 2nd evaluation (even steps); epochs of 3 steps: checked at 3, 6, 9, 12
         options.update(suites={"blimp": blimp_slice(tmp_path)}, suite_every={"blimp": 2})

@@ -134,18 +134,9 @@ def test_two_callbacks_logging_one_suite_name_are_refused(tmp_path, bpe_tokenize
 def test_a_failed_evaluation_keeps_the_suite_schedule(tmp_path, bpe_tokenizer, small_data, monkeypatch):
     """``suite_every`` counts evaluations, failed ones too: one failure moved the suite to other steps for the rest
     of the run (4 and 8 became 6 and 10), where a checkpoint every 4 steps, as the callback advises, read NaN."""
-    from tatblimp_callback import evaluation
-    from test_lightning import blimp_slice
+    from test_lightning import blimp_slice, fail_evaluation
 
-    score, calls = evaluation.Evaluator.__call__, []
-
-    def fails_second(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected")
-        return score(self, *args, **kwargs)
-
-    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_second)
+    fail_evaluation(monkeypatch, 2)
     callback = TatBLiMPLightningCallback(
         tokenizer=bpe_tokenizer, data=small_data, allow_modified=True, eval_every_n_steps=2,
         suites={"blimp": blimp_slice(tmp_path)}, suite_every={"blimp": 2},
@@ -156,18 +147,9 @@ def test_a_failed_evaluation_keeps_the_suite_schedule(tmp_path, bpe_tokenizer, s
 
 
 def test_after_a_failed_evaluation_the_scores_are_nan_and_the_counts_stay(tmp_path, bpe_tokenizer, falling_data, monkeypatch):
-    from tatblimp_callback import evaluation
-    from test_lightning import Probe
+    from test_lightning import Probe, fail_evaluation
 
-    score, calls = evaluation.Evaluator.__call__, []
-
-    def fails_third(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected")
-        return score(self, *args, **kwargs)
-
-    monkeypatch.setattr(evaluation.Evaluator, "__call__", fails_third)
+    fail_evaluation(monkeypatch, 3)
     callback = TatBLiMPLightningCallback(
         tokenizer=bpe_tokenizer, data=falling_data, allow_modified=True, eval_every_n_steps=1, history_file=None
     )
