@@ -12,6 +12,7 @@ when its md5 matches and it holds all of the file's pairs.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,7 +54,7 @@ def _readings(source: str | os.PathLike, columns: dict[str, str] | None, suite: 
     a suite's record), else a TatBLiMP file; each read lazily, and skipped when it cannot be read."""
     readers = [lambda: load_suite("suite", source, columns)]
     if os.path.isfile(source) and columns is None:
-        as_benchmark = lambda: load_benchmark(source, allow_modified=True)  # noqa: E731
+        as_benchmark = lambda: _benchmark_file(os.fspath(source), os.stat(source).st_mtime_ns)  # noqa: E731
         readers = [*readers, as_benchmark] if suite else [as_benchmark, *readers]
     for read in readers:
         try:
@@ -85,3 +86,10 @@ def _is_the_scored(benchmark: Benchmark, record: Mapping[str, Any]) -> bool:
     if fingerprint is not None:
         return benchmark.fingerprint == fingerprint
     return benchmark.md5 == (record.get("benchmark") or {}).get("md5") and not record.get("selection") and not benchmark.selection
+
+
+@functools.lru_cache(maxsize=4)
+def _benchmark_file(path: str, mtime_ns: int) -> Benchmark:
+    """The benchmark file at ``path`` as it was at ``mtime_ns``, read once: a command finds the pairs of each run,
+    their sentences and their numbers (``pair_sentences``, ``file_indices``) in the same file."""
+    return load_benchmark(path, allow_modified=True)
